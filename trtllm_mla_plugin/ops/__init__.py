@@ -1,0 +1,23 @@
+"""Engine-agnostic MLA decode: routes per GPU generation and a pure-torch reference.
+
+Imports no engine (vLLM) and no kernel package at import time.
+"""
+
+from .decoder import MLADecoder, RouteChoice, choose_route, mla_decode
+from .platform import Platform, platform_of
+from .reference import mla_decode_reference
+from .spec import UNIT_SCALES, DecodeBatch, DecodeSpec, KVScales
+
+__all__ = [
+    "UNIT_SCALES",
+    "DecodeBatch",
+    "DecodeSpec",
+    "KVScales",
+    "MLADecoder",
+    "Platform",
+    "RouteChoice",
+    "choose_route",
+    "mla_decode",
+    "mla_decode_reference",
+    "platform_of",
+]

@@ -1,0 +1,188 @@
+"""The ops layer's entry points: ``MLADecoder`` (plan per step, run per layer) and the
+one-shot ``mla_decode``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import policy
+from .platform import Platform, platform_of
+from .routes import ROUTES, DecodeRoute
+from .spec import UNIT_SCALES, DecodeBatch, DecodeSpec, KVScales
+from .validation import check_batch, check_run_inputs, check_spec
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """The chosen route and why every better-ranked route was passed over."""
+
+    name: str
+    kernel: str
+    skipped: tuple[tuple[str, str], ...]
+
+    def explain(self) -> str:
+        lines = [f"{self.name}: {self.kernel}"]
+        lines += [f"  not {name}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def choose_route(spec: DecodeSpec, platform: Platform, forced: str | None = None) -> RouteChoice:
+    """First route of the policy's ranking that can serve ``spec`` on ``platform``.
+
+    ``forced`` names one route (tests, benchmarks, ``TRTLLM_MLA_DECODE_ROUTE``); it must be
+    eligible, else ``ValueError`` with its reason.
+    """
+    if forced is not None:
+        if forced not in ROUTES:
+            raise ValueError(f"unknown decode route {forced!r}; known: {', '.join(ROUTES)}")
+        reason = ROUTES[forced].unsupported_reason(spec, platform)
+        if reason is not None:
+            raise ValueError(f"decode route {forced!r} cannot serve this configuration: {reason}")
+        return RouteChoice(forced, ROUTES[forced].kernel, ())
+    skipped: list[tuple[str, str]] = []
+    for name in policy.rank(spec, platform):
+        reason = ROUTES[name].unsupported_reason(spec, platform)
+        if reason is None:
+            return RouteChoice(name, ROUTES[name].kernel, tuple(skipped))
+        skipped.append((name, reason))
+    raise ValueError(
+        "no decode route can serve this configuration: "
+        + "; ".join(f"{name}: {reason}" for name, reason in skipped)
+    )
+
+
+class MLADecoder:
+    """Absorbed-MLA paged decode for one group of layers sharing a ``DecodeSpec``.
+
+    Construct once (allocates the route's persistent buffers for up to ``max_batch_size``
+    requests), ``plan`` once per step, ``run`` once per layer.
+
+    CUDA graphs: ``run`` may be captured. A captured ``run`` replays correctly after
+    ``plan`` is called again with the same batch size (new lengths and block tables) when
+    the decoder was built with ``cuda_graph=True``; FlashInfer's FA2/FA3 routes then keep one
+    planned wrapper with fixed metadata buffers per batch size (sized on the first plan of
+    that batch size: later block tables of that size must not be wider). Other routes keep
+    fixed buffers either way. Build one decoder per stream: the routes' buffers are shared
+    by every layer of a step.
+    """
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        device: torch.device | str,
+        max_batch_size: int,
+        route: str | None = None,
+        cuda_graph: bool = False,
+    ) -> None:
+        check_spec(spec)
+        self.spec = spec
+        self.device = torch.device(device)
+        self.choice = choose_route(spec, platform_of(self.device), route)
+        self.route: DecodeRoute = ROUTES[self.choice.name](
+            spec, self.device, max_batch_size, cuda_graph=cuda_graph
+        )
+        self._batch: DecodeBatch | None = None
+
+    @property
+    def route_name(self) -> str:
+        return self.choice.name
+
+    def plan(self, batch: DecodeBatch) -> None:
+        """Take this step's batch (host-side work; call outside CUDA-graph capture)."""
+        check_batch(self.spec, batch, self.route.max_batch_size)
+        self.route.plan(batch)
+        self._batch = batch
+
+    def run(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+        scales: KVScales = UNIT_SCALES,
+    ) -> torch.Tensor:
+        """Decode one layer.
+
+        Args:
+            query: ``[num_tokens, num_heads, Dc + Dr]`` in ``spec.q_dtype``.
+            kv_cache: ``[num_blocks, block_size, Dc + Dr]`` in ``spec.kv_dtype``.
+            out: optional ``[num_tokens, num_heads, Dc]`` output buffer.
+            scales: FP8 scales (ignored by the math when all are 1).
+
+        Returns:
+            ``[num_tokens, num_heads, Dc]`` attention output in latent space.
+        """
+        if self._batch is None:
+            raise RuntimeError("MLADecoder.run called before plan()")
+        check_run_inputs(self.spec, self._batch, query, kv_cache, out)
+        if out is None:
+            out = query.new_empty(
+                query.shape[0], query.shape[1], self.spec.kv_lora_rank,
+                dtype=self.output_dtype,
+            )
+        return self.route.run(query, kv_cache, out, scales)
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """Output dtype: the query's, or bf16 when the query is FP8."""
+        return torch.bfloat16 if self.spec.q_dtype == torch.float8_e4m3fn else self.spec.q_dtype
+
+
+def mla_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    *,
+    max_seq_len: int,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_q_len: int = 1,
+    scales: KVScales = UNIT_SCALES,
+    out: torch.Tensor | None = None,
+    route: str | None = None,
+) -> torch.Tensor:
+    """One-shot absorbed-MLA paged decode (plans and runs once; engines use ``MLADecoder``).
+
+    Args:
+        query: ``[num_tokens, num_heads, kv_lora_rank + rope_dim]``.
+        kv_cache: ``[num_blocks, block_size, kv_lora_rank + rope_dim]``.
+        block_table: ``[batch, max_blocks]`` int32.
+        seq_lens: ``[batch]`` int32, cached tokens per request including this step's.
+        softmax_scale: scale of ``q . k``.
+        kv_lora_rank: latent width ``Dc``.
+        max_seq_len: host-side ``max(seq_lens)``.
+        cu_seqlens_q: ``[batch + 1]`` int32 query offsets for several query tokens per
+            request (causal inside each request); ``None`` for ``max_q_len`` rows each.
+        max_q_len: largest query length of a request.
+        scales: FP8 scales.
+        out: optional ``[num_tokens, num_heads, kv_lora_rank]``.
+        route: force one route by name.
+
+    Returns:
+        ``[num_tokens, num_heads, kv_lora_rank]``.
+    """
+    spec = DecodeSpec(
+        num_heads=query.shape[1],
+        kv_lora_rank=kv_lora_rank,
+        rope_dim=query.shape[2] - kv_lora_rank,
+        block_size=kv_cache.shape[1],
+        q_dtype=query.dtype,
+        kv_dtype=kv_cache.dtype,
+        softmax_scale=softmax_scale,
+        max_q_len=max_q_len,
+    )
+    decoder = MLADecoder(spec, query.device, seq_lens.shape[0], route)
+    decoder.plan(
+        DecodeBatch(
+            block_table=block_table,
+            seq_lens=seq_lens,
+            max_seq_len=max_seq_len,
+            cu_seqlens_q=cu_seqlens_q,
+            max_q_len=max_q_len,
+            num_tokens=query.shape[0],
+        )
+    )
+    return decoder.run(query, kv_cache, out, scales)

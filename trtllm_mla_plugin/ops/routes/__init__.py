@@ -1,0 +1,23 @@
+"""Every decode route the plugin knows, by name. Importing this imports no kernel package."""
+
+from __future__ import annotations
+
+from .base import DecodeRoute
+from .flashinfer_mla import FlashInferFA2Route, FlashInferFA3Route
+from .flashmla import FlashMLARoute
+from .torch_reference import TorchReferenceRoute
+from .trtllm_gen import CuteDslRoute, TrtllmGenRoute
+
+ROUTES: dict[str, type[DecodeRoute]] = {
+    route.name: route
+    for route in (
+        TrtllmGenRoute,
+        CuteDslRoute,
+        FlashInferFA3Route,
+        FlashMLARoute,
+        FlashInferFA2Route,
+        TorchReferenceRoute,
+    )
+}
+
+__all__ = ["ROUTES", "DecodeRoute"]

@@ -1,0 +1,75 @@
+"""The contract every decode route implements.
+
+A route declares *what it can serve* (``unsupported_reason``); it never decides whether it
+is *preferred* — that is ``ops.policy``. A route instance owns its persistent buffers,
+is planned once per step (``plan``, host side, outside CUDA graphs) and run once per layer
+(``run``, capturable in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from ..platform import Platform
+from ..spec import DecodeBatch, DecodeSpec, KVScales
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def module_available(name: str) -> bool:
+    """True if ``name`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class DecodeRoute(ABC):
+    """One way of running absorbed-MLA paged decode."""
+
+    #: Short stable identifier, e.g. ``"flashinfer-fa3"``; used by policy, logs and docs.
+    name: ClassVar[str]
+    #: Human-readable kernel name for logs and the doctor.
+    kernel: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
+        """Why this route cannot serve ``spec`` on ``platform``; ``None`` if it can.
+
+        Must be cheap and must not initialise CUDA beyond what ``platform`` already holds,
+        nor import heavy packages (use ``module_available``).
+        """
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        device: torch.device,
+        max_batch_size: int,
+        cuda_graph: bool = False,
+    ) -> None:
+        """``cuda_graph=True`` asks for state whose device pointers stay fixed across
+        ``plan`` calls of the same batch size, so a captured ``run`` can be replayed after
+        re-planning. Routes whose state is always fixed ignore it."""
+        self.spec = spec
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.cuda_graph = cuda_graph
+
+    @abstractmethod
+    def plan(self, batch: DecodeBatch) -> None:
+        """Prepare the step's batch; called once per step before any layer runs."""
+
+    @abstractmethod
+    def run(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+    ) -> torch.Tensor:
+        """Attend ``query`` ``[num_tokens, heads, Dc + Dr]`` over ``kv_cache``
+        ``[num_blocks, block_size, Dc + Dr]`` for the planned batch into ``out``
+        ``[num_tokens, heads, Dc]``; returns ``out``."""

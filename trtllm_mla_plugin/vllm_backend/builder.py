@@ -1,0 +1,119 @@
+"""Per-step metadata: vLLM's MLA prefill/decode split, plus one decode plan for all layers."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig
+from ..log import get_logger
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonDecodeMetadata,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from ..ops import DecodeBatch, DecodeSpec, MLADecoder
+
+logger = get_logger(__name__)
+
+#: Force one decode route by name (tests, benchmarks, debugging); unset = the policy's pick.
+ROUTE_ENV_VAR = "TRTLLM_MLA_DECODE_ROUTE"
+
+
+@dataclass
+class TrtllmMLADecodeMetadata(MLACommonDecodeMetadata):
+    """vLLM's decode metadata plus the decoder planned for this step's decode batch."""
+
+    decoder: MLADecoder | None = None
+
+
+@dataclass
+class TrtllmMLAMetadata(MLACommonMetadata[TrtllmMLADecodeMetadata]):
+    pass
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the latent cache as the decode routes see it (FP8 caches are stored as
+    bytes by vLLM and viewed as ``float8_e4m3fn``)."""
+    if cache_dtype.startswith("fp8"):
+        return torch.float8_e4m3fn
+    if cache_dtype == "auto":
+        return model_dtype
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}[
+        cache_dtype
+    ]
+
+
+class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
+    # Decode runs inside full CUDA graphs for uniform batches (1 or 1 + k query tokens);
+    # the plan is host-side and happens in build(), outside the graph.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Speculative decoding: several query tokens per request, causal inside each request.
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+
+    def __init__(
+        self,
+        kv_cache_spec: AttentionSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, TrtllmMLAMetadata)
+        layer = self.compilation_config.static_forward_context[layer_names[0]]
+        model_dtype = self.model_config.dtype
+        spec = DecodeSpec(
+            num_heads=self.num_heads,
+            kv_lora_rank=self.mla_dims.kv_lora_rank,
+            rope_dim=self.mla_dims.qk_rope_head_dim,
+            block_size=kv_cache_spec.block_size,
+            q_dtype=model_dtype,
+            kv_dtype=kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, model_dtype),
+            softmax_scale=float(layer.scale),
+            max_q_len=self.reorder_batch_threshold,
+        )
+        max_batch = vllm_config.scheduler_config.max_num_seqs
+        # The persistent decoder: one per KV-cache group, planned once per step and shared
+        # by every layer of the group, so its buffers keep stable addresses for CUDA graphs.
+        self.decoder = MLADecoder(spec, device, max_batch, route=os.environ.get(ROUTE_ENV_VAR))
+        logger.info_once(
+            "TRTLLM_MLA backend in use: decode route %s (%s); prefill %s.",
+            self.decoder.route_name,
+            self.decoder.choice.kernel,
+            self._prefill_backend.get_name(),
+        )
+
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        max_query_len: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+    ) -> TrtllmMLADecodeMetadata:
+        num_decodes = seq_lens_device.shape[0]
+        single_token = num_decode_tokens == num_decodes
+        self.decoder.plan(
+            DecodeBatch(
+                block_table=block_table_tensor,
+                seq_lens=seq_lens_device,
+                max_seq_len=max_seq_len,
+                cu_seqlens_q=None if single_token else query_start_loc_device,
+                max_q_len=1 if single_token else max_query_len,
+                num_tokens=num_decode_tokens,
+            )
+        )
+        return TrtllmMLADecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            decoder=self.decoder,
+        )

@@ -1,0 +1,74 @@
+"""What the TRTLLM_MLA backend refuses, as reasons (not exceptions), checked at engine start.
+
+One list for both places vLLM gives us: the CUDA platform's ``validate_configuration``
+(reasons become vLLM's startup error) and the impl's constructor (the CPU platform does
+not validate selected backends, so the impl raises the same reasons there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.validation import SUPPORTED_Q_DTYPES
+
+#: (kv_lora_rank, qk_rope_head_dim) pairs of the models this backend is built for; the
+#: reference route computes any, but GPU routes are narrower (see ops.routes).
+SUPPORTED_LATENT_DIMS = ((512, 64), (256, 64), (512, 0))
+
+
+def feature_reasons(
+    *,
+    alibi_slopes: object = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    attn_type: str = "decoder",
+    has_sink: bool = False,
+    use_sparse: bool = False,
+    kv_sharing_target_layer_name: str | None = None,
+    dcp_world_size: int = 1,
+) -> list[str]:
+    """Reasons the backend cannot serve a layer with these features (empty: it can)."""
+    reasons = []
+    if use_sparse:
+        reasons.append(
+            "sparse MLA (DeepSeek-V3.2 indexer) is not supported by TRTLLM_MLA; use a "
+            "sparse MLA backend (e.g. --attention-backend FLASHMLA_SPARSE)"
+        )
+    if has_sink:
+        reasons.append("attention sinks are not supported by TRTLLM_MLA")
+    if sliding_window is not None:
+        reasons.append(f"sliding window ({sliding_window}) is not supported by TRTLLM_MLA")
+    if alibi_slopes is not None:
+        reasons.append("ALiBi is not supported by TRTLLM_MLA")
+    if logits_soft_cap:
+        reasons.append(f"logits soft cap ({logits_soft_cap}) is not supported by TRTLLM_MLA")
+    if attn_type != "decoder":
+        reasons.append(
+            f"attention type {attn_type!r} is not supported: TRTLLM_MLA serves decoder "
+            "self-attention only (no encoder or cross attention)"
+        )
+    if kv_sharing_target_layer_name is not None:
+        reasons.append("KV sharing across layers is not supported for MLA")
+    if dcp_world_size > 1:
+        reasons.append(
+            "decode context parallelism is not supported by TRTLLM_MLA; set "
+            "--decode-context-parallel-size 1"
+        )
+    return reasons
+
+
+def dims_reasons(kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> list[str]:
+    reasons = []
+    if (kv_lora_rank, qk_rope_head_dim) not in SUPPORTED_LATENT_DIMS:
+        reasons.append(
+            f"MLA dims kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim} are "
+            f"not supported by TRTLLM_MLA (supported: {SUPPORTED_LATENT_DIMS})"
+        )
+    if dtype not in SUPPORTED_Q_DTYPES or dtype == torch.float8_e4m3fn:
+        reasons.append(f"model dtype {dtype} is not supported; use --dtype bfloat16")
+    return reasons
+
+
+def raise_if_any(reasons: list[str]) -> None:
+    if reasons:
+        raise ValueError("TRTLLM_MLA cannot serve this model: " + "; ".join(reasons))

@@ -1,0 +1,94 @@
+"""The TRTLLM_MLA impl: vLLM's MLA prefill path, decode handed to the ops layer."""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import get_current_vllm_config
+from ..log import get_logger
+from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionLayer
+
+from ..ops import KVScales
+from .builder import TrtllmMLAMetadata
+from .capabilities import dims_reasons, feature_reasons, raise_if_any
+from .prefill import prefer_flashinfer_prefill
+
+logger = get_logger(__name__)
+
+
+class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
+    can_return_lse_for_decode: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None,
+        attn_type: str,
+        kv_sharing_target_layer_name: str | None,
+        **mla_args,
+    ) -> None:
+        vllm_config = get_current_vllm_config()
+        raise_if_any(
+            feature_reasons(
+                alibi_slopes=alibi_slopes,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+                attn_type=getattr(attn_type, "value", attn_type),
+                use_sparse=mla_args.get("indexer") is not None,
+                kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+                dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
+            )
+            + dims_reasons(
+                mla_args["kv_lora_rank"], mla_args["qk_rope_head_dim"],
+                vllm_config.model_config.dtype,
+            )
+        )
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            **mla_args,
+        )
+        # Decode queries stay in the model dtype; routes that want FP8 queries quantise
+        # them themselves with the layer's q_scale.
+        self.supports_quant_query_input = False
+        if not current_platform.is_cuda():
+            self._use_flashinfer_concat_mla_k = False
+        else:
+            prefer_flashinfer_prefill(vllm_config)
+
+    def do_kv_cache_update(self, *args, **kwargs) -> None:
+        if current_platform.is_cpu():
+            # vLLM's CUDA cache-write op does not exist in the CPU build; vLLM's CPU MLA
+            # impl writes the latent cache with plain torch indexing.
+            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+            return CPUMLAImpl.do_kv_cache_update(self, *args, **kwargs)
+        return super().do_kv_cache_update(*args, **kwargs)
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: TrtllmMLAMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        decoder = attn_metadata.decode.decoder
+        scales = KVScales(layer._q_scale_float, layer._k_scale_float, layer._v_scale_float)
+        return decoder.run(q, kv_c_and_k_pe_cache, scales=scales), None

@@ -39,7 +39,8 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     backend_kwargs = {}
     if os.environ.get("VLLM_ATTENTION_BACKEND", "").upper() != "TRTLLM_MLA":
-        backend_kwargs["attention_config"] = {"backend": "TRTLLM_MLA"}
+        # Equivalent of `--attention-backend TRTLLM_MLA`.
+        backend_kwargs["attention_backend"] = "TRTLLM_MLA"
     if tiny:
         backend_kwargs.update(tiny_engine_kwargs(on_gpu))
     elif not on_gpu:

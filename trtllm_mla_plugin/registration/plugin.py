@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 
-
 from ..log import get_logger
 from .names import BACKEND_NAME, BACKEND_PATH, TESTED_ENGINES
 from .selection import env_selection

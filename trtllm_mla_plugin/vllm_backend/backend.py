@@ -7,14 +7,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.config.cache import CacheDType
-from ..log import get_logger
 from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import MultipleOf
 
+from ..log import get_logger
 from ..registration.names import BACKEND_NAME
-from .capabilities import dims_reasons
 
 if TYPE_CHECKING:
     from .builder import TrtllmMLAMetadataBuilder
@@ -92,30 +91,6 @@ class TrtllmMLABackend(MLACommonBackend):
                     f"{FALLBACK_BLOCK_SIZE}"
                 )
         return reasons
-
-    @classmethod
-    def supports_combination(
-        cls,
-        head_size: int,
-        dtype: torch.dtype,
-        kv_cache_dtype: CacheDType | None,
-        block_size: int | None,
-        use_mla: bool,
-        has_sink: bool,
-        use_sparse: bool,
-        use_mm_prefix: bool,
-        device_capability: DeviceCapability,
-    ) -> str | None:
-        vllm_config = get_current_vllm_config_or_none()
-        if vllm_config is None or vllm_config.model_config is None:
-            return None
-        text_config = vllm_config.model_config.hf_text_config
-        reasons = dims_reasons(
-            getattr(text_config, "kv_lora_rank", 0),
-            getattr(text_config, "qk_rope_head_dim", 0),
-            dtype,
-        )
-        return "; ".join(reasons) or None
 
 
 def _describe_block_sizes() -> str:

@@ -8,7 +8,6 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig
-from ..log import get_logger
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
     MLACommonMetadata,
@@ -18,6 +17,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from ..log import get_logger
 from ..ops import DecodeBatch, DecodeSpec, MLADecoder
 
 logger = get_logger(__name__)
@@ -81,6 +81,12 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         # The persistent decoder: one per KV-cache group, planned once per step and shared
         # by every layer of the group, so its buffers keep stable addresses for CUDA graphs.
         self.decoder = MLADecoder(spec, device, max_batch, route=os.environ.get(ROUTE_ENV_VAR))
+        if self.decoder.route_name == "torch-reference" and device.type == "cuda":
+            logger.warning_once(
+                "TRTLLM_MLA: no GPU decode kernel serves this model on this GPU; decode runs "
+                "on the slow pure-torch reference route. Why:\n%s",
+                self.decoder.choice.explain(),
+            )
         logger.info_once(
             "TRTLLM_MLA backend in use: decode route %s (%s); prefill %s.",
             self.decoder.route_name,

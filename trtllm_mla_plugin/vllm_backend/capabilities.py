@@ -1,19 +1,14 @@
 """What the TRTLLM_MLA backend refuses, as reasons (not exceptions), checked at engine start.
 
-One list for both places vLLM gives us: the CUDA platform's ``validate_configuration``
-(reasons become vLLM's startup error) and the impl's constructor (the CPU platform does
-not validate selected backends, so the impl raises the same reasons there).
+Head dims, block size and dtypes are the decode routes' business (``ops``: the builder's
+``MLADecoder`` refuses at engine start when no route serves them). Here: the attention
+features no route implements. One list for both places vLLM gives us: the CUDA
+platform's ``validate_configuration`` (reasons become vLLM's startup error) and the
+impl's constructor (the CPU platform does not validate selected backends, so the impl
+raises the same reasons there).
 """
 
 from __future__ import annotations
-
-import torch
-
-from ..ops.validation import SUPPORTED_Q_DTYPES
-
-#: (kv_lora_rank, qk_rope_head_dim) pairs of the models this backend is built for; the
-#: reference route computes any, but GPU routes are narrower (see ops.routes).
-SUPPORTED_LATENT_DIMS = ((512, 64), (256, 64), (512, 0))
 
 
 def feature_reasons(
@@ -54,18 +49,6 @@ def feature_reasons(
             "decode context parallelism is not supported by TRTLLM_MLA; set "
             "--decode-context-parallel-size 1"
         )
-    return reasons
-
-
-def dims_reasons(kv_lora_rank: int, qk_rope_head_dim: int, dtype: torch.dtype) -> list[str]:
-    reasons = []
-    if (kv_lora_rank, qk_rope_head_dim) not in SUPPORTED_LATENT_DIMS:
-        reasons.append(
-            f"MLA dims kv_lora_rank={kv_lora_rank}, qk_rope_head_dim={qk_rope_head_dim} are "
-            f"not supported by TRTLLM_MLA (supported: {SUPPORTED_LATENT_DIMS})"
-        )
-    if dtype not in SUPPORTED_Q_DTYPES or dtype == torch.float8_e4m3fn:
-        reasons.append(f"model dtype {dtype} is not supported; use --dtype bfloat16")
     return reasons
 
 

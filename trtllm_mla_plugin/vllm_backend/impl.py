@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config
-from ..log import get_logger
 from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer
 
+from ..log import get_logger
 from ..ops import KVScales
 from .builder import TrtllmMLAMetadata
-from .capabilities import dims_reasons, feature_reasons, raise_if_any
+from .capabilities import feature_reasons, raise_if_any
 from .prefill import prefer_flashinfer_prefill
 
 logger = get_logger(__name__)
@@ -44,10 +44,6 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
                 use_sparse=mla_args.get("indexer") is not None,
                 kv_sharing_target_layer_name=kv_sharing_target_layer_name,
                 dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
-            )
-            + dims_reasons(
-                mla_args["kv_lora_rank"], mla_args["qk_rope_head_dim"],
-                vllm_config.model_config.dtype,
             )
         )
         super().__init__(

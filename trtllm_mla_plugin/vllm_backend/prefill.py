@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from vllm.config import VllmConfig
-from ..log import get_logger
 from vllm.platforms import current_platform
+
+from ..log import get_logger
 
 logger = get_logger(__name__)
 

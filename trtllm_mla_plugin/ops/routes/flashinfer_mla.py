@@ -1,0 +1,212 @@
+"""Hopper / Ampere routes through ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` with the
+FA3 (SM90) and FA2 (SM80+) backends, keyword-only modern API (``metadata=``, ``query=``,
+``kv_cache=``).
+
+Read from FlashInfer 0.7.2.post1 (``mla/_batch_mla/_wrapper.py``, ``_backends/_fa_common.py``):
+
+* query and cache share a dtype (bf16 or fp16), or the cache is FP8 e4m3 with a bfloat16
+  query on SM90 (dims 512/64 or 512/0) and per-tensor ``ckv_scale``/``kpe_scale``; the
+  output has the query's dtype.
+* ``causal=True`` masks bottom-right aligned: row ``t`` of a request with ``L`` keys and
+  ``n`` query rows sees ``L - n + t + 1`` keys (``ops.reference``'s convention).
+* with ``causal=True`` and several query rows, heads that do not divide the 64-row query
+  tile can hit a native tile-boundary bug that FlashInfer refuses at plan time; such specs
+  are declared ineligible instead of failing mid-serving.
+* ``use_cuda_graph=True`` wrappers copy metadata into caller-reserved int32 buffers at each
+  ``plan`` and may be re-planned (same batch size), so a captured ``run`` stays valid.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..platform import Platform
+from ..spec import DecodeBatch, DecodeSpec, KVScales
+from .base import DecodeRoute, module_available
+from .trtllm_gen import workspace_for
+
+_FP8_DIMS = ((512, 64), (512, 0))
+
+
+def fa_causal_tiles_safe(num_heads: int, max_q_len: int) -> bool:
+    """Whether FlashInfer 0.7.2's FA MLA causal plan is safe for every batch of this shape.
+
+    Its query tile is 64 rows, or 128 when the batch's mean ``q_len * heads`` exceeds 64
+    (``_fa_common._validate_fa_causal_tile_bound``); a tile ending inside a request's rows
+    can drop a visible key unless the head count divides the tile.
+    """
+    rows = num_heads * max_q_len
+    tiles = (128,) if num_heads > 64 else (64, 128)
+    return all(tile % num_heads == 0 or rows <= tile for tile in tiles)
+
+
+def fa_unsupported_reason(
+    spec: DecodeSpec, platform: Platform, backend: str
+) -> str | None:
+    """Eligibility shared by FA2 and FA3 (``backend`` is ``"fa2"`` or ``"fa3"``)."""
+    if platform.kind != "cuda" or platform.capability is None:
+        return f"FlashInfer {backend} needs a CUDA GPU; this is {platform.describe()}"
+    if backend == "fa3" and platform.capability[0] != 9:
+        return f"FlashInfer fa3 MLA runs on SM90 (H100/H200) only; this is {platform.describe()}"
+    if backend == "fa2" and platform.capability < (8, 0):
+        return f"FlashInfer fa2 MLA needs SM80 or newer; this is {platform.describe()}"
+    if not module_available("flashinfer"):
+        return "flashinfer is not installed; pip install flashinfer-python==0.7.2.post1"
+    if spec.kv_lora_rank % 128 or spec.rope_dim % 64:
+        return (
+            f"kv_lora_rank={spec.kv_lora_rank} / rope_dim={spec.rope_dim}: FlashInfer {backend} "
+            "needs kv_lora_rank a multiple of 128 and rope_dim a multiple of 64"
+        )
+    if backend == "fa3" and spec.kv_lora_rank not in (128, 256, 512):
+        return f"FlashInfer fa3 MLA needs kv_lora_rank in (128, 256, 512), got {spec.kv_lora_rank}"
+    if spec.fp8_kv:
+        if platform.capability[0] != 9:
+            return f"FlashInfer {backend} reads FP8 KV caches on SM90 only; use a bf16 KV cache"
+        if spec.q_dtype != torch.bfloat16:
+            return (
+                f"FlashInfer {backend} with an FP8 KV cache takes bfloat16 queries only, got "
+                f"{spec.q_dtype}; run the model in bfloat16 (--dtype bfloat16)"
+            )
+        if (spec.kv_lora_rank, spec.rope_dim) not in _FP8_DIMS:
+            return f"FlashInfer {backend} FP8 KV needs kv_lora_rank 512 and rope_dim 64 or 0"
+    elif spec.q_dtype not in (torch.bfloat16, torch.float16) or spec.kv_dtype != spec.q_dtype:
+        return (
+            f"FlashInfer {backend} takes bfloat16/float16 query and cache of the same dtype, "
+            f"got {spec.q_dtype} / {spec.kv_dtype}"
+        )
+    if not fa_causal_tiles_safe(spec.num_heads, spec.max_q_len):
+        return (
+            f"{spec.num_heads} heads with up to {spec.max_q_len} query tokens per request: "
+            f"FlashInfer {backend}'s causal query tiles (64 or 128 rows) can drop a visible "
+            "key unless the head count divides the tile; use fewer speculative tokens"
+        )
+    return None
+
+
+class _FlashInferFARoute(DecodeRoute):
+    backend: ClassVar[str]
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        device: torch.device,
+        max_batch_size: int,
+        cuda_graph: bool = False,
+    ) -> None:
+        super().__init__(spec, device, max_batch_size, cuda_graph)
+        self.workspace = workspace_for(device)
+        self._uniform_cu = (
+            torch.arange(max_batch_size + 1, dtype=torch.int32, device=device) * spec.max_q_len
+        )
+        # One wrapper for eager use; with cuda_graph one per batch size, each owning the
+        # reserved metadata buffers its captured launches read.
+        self._wrappers: dict[int, object] = {}
+        self._wrapper = None
+
+    def _wrapper_for(self, batch: DecodeBatch) -> object:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        key = batch.batch_size if self.cuda_graph else 0
+        wrapper = self._wrappers.get(key)
+        if wrapper is not None:
+            capacity = getattr(wrapper, "_plugin_kv_indices_capacity", None)
+            if capacity is not None and batch.batch_size * batch.block_table.shape[1] > capacity:
+                raise ValueError(
+                    f"block table of width {batch.block_table.shape[1]} is wider than the one "
+                    f"first planned for batch size {batch.batch_size} with cuda_graph=True; "
+                    "plan the widest block table first (vLLM's table width is fixed)"
+                )
+            return wrapper
+        if not self.cuda_graph:
+            wrapper = BatchMLAPagedAttentionWrapper(self.workspace, backend=self.backend)
+        else:
+            b = batch.batch_size
+            capacity = b * batch.block_table.shape[1]
+
+            def i32(n: int) -> torch.Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+            wrapper = BatchMLAPagedAttentionWrapper(
+                self.workspace,
+                use_cuda_graph=True,
+                qo_indptr=i32(b + 1),
+                kv_indptr=i32(b + 1),
+                kv_indices=i32(max(capacity, 1)),
+                kv_len_arr=i32(b),
+                backend=self.backend,
+            )
+            wrapper._plugin_kv_indices_capacity = capacity
+        self._wrappers[key] = wrapper
+        return wrapper
+
+    def plan(self, batch: DecodeBatch) -> None:
+        from flashinfer.mla import MLAPlanMetadata
+
+        spec, b = self.spec, batch.batch_size
+        cu = self._uniform_cu[: b + 1] if batch.uniform_q_len else batch.cu_seqlens_q
+        if batch.uniform_q_len and batch.max_q_len != spec.max_q_len:
+            cu = self._uniform_cu[: b + 1] // spec.max_q_len * batch.max_q_len
+        metadata = MLAPlanMetadata.dense(
+            cum_seq_lens_q=cu.to(torch.int32),
+            block_tables=batch.block_table.to(torch.int32),
+            seq_lens=batch.seq_lens.to(torch.int32),
+            max_q_len=batch.max_q_len,
+        )
+        wrapper = self._wrapper_for(batch)
+        wrapper.plan(
+            metadata=metadata,
+            num_heads=spec.num_heads,
+            head_dim_ckv=spec.kv_lora_rank,
+            head_dim_kpe=spec.rope_dim,
+            page_size=spec.block_size,
+            # Fixed per spec: the mask mode is baked into captured launches.
+            causal=spec.max_q_len > 1,
+            sm_scale=spec.softmax_scale,
+            q_data_type=spec.q_dtype,
+            kv_data_type=spec.kv_dtype,
+            scale_mode="kv-per-tensor" if spec.fp8_kv else "default",
+        )
+        self._wrapper = wrapper
+
+    def run(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+    ) -> torch.Tensor:
+        if not self.spec.fp8_kv:
+            if not scales.is_unit:
+                raise ValueError(
+                    "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
+                    f"{self.spec.kv_dtype} cache"
+                )
+            self._wrapper.run(query=query, kv_cache=kv_cache, out=out)
+            return out
+        # FlashInfer dequantises the latent cache with one ckv_scale for both q.k and p.v;
+        # fold q_scale into it and correct the values' scale afterwards when k != v.
+        qk_scale = scales.q_scale * scales.k_scale
+        self._wrapper.run(
+            query=query, kv_cache=kv_cache, out=out, ckv_scale=qk_scale, kpe_scale=qk_scale
+        )
+        if scales.v_scale != qk_scale:
+            out.mul_(scales.v_scale / qk_scale)
+        return out
+
+
+class FlashInferFA3Route(_FlashInferFARoute):
+    name = "flashinfer-fa3"
+    kernel = "FlashInfer BatchMLAPagedAttentionWrapper (fa3)"
+    backend = "fa3"
+
+    @classmethod
+    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
+        return fa_unsupported_reason(spec, platform, "fa3")
+
+
+class FlashInferFA2Route(_FlashInferFARoute):
+    name = "flashinfer-fa2"
+    kernel = "FlashInfer BatchMLAPagedAttentionWrapper (fa2)"
+    backend = "fa2"
+
+    @classmethod
+    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
+        return fa_unsupported_reason(spec, platform, "fa2")

@@ -1,0 +1,95 @@
+"""Run the real vLLM engine once on the tiny model and write what it generated as JSON.
+
+A separate process per engine keeps each test's environment (``VLLM_ATTENTION_BACKEND``)
+and vLLM's global state apart.
+
+    python -m trtllm_mla_plugin.testing.run_engine --model DIR --out result.json \
+        [--attention-backend NAME] [--prompt-lens 1,16,17] [--max-tokens 12] ...
+
+The JSON holds, per prompt, the generated token ids and the top-2 logprobs of each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+#: Prompts of these lengths cross the CPU block size (16) in every way: one token, one
+#: block minus/plus one, exactly one and two blocks, several blocks.
+DEFAULT_PROMPT_LENS = (1, 5, 15, 16, 17, 32, 33, 70)
+
+
+def prompt_ids(length: int, salt: int = 0) -> list[int]:
+    """A deterministic prompt of ``length`` token ids below 500."""
+    return [(31 * i + 7 * length + salt) % 499 + 1 for i in range(length)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--attention-backend", default=None,
+                        help="EngineArgs.attention_backend (what --attention-backend sets)")
+    parser.add_argument("--attention-config-backend", default=None,
+                        help='LLM(attention_config={"backend": NAME})')
+    parser.add_argument("--prompt-lens", default=",".join(map(str, DEFAULT_PROMPT_LENS)))
+    parser.add_argument("--max-tokens", default="12",
+                        help="one value, or one per prompt (comma separated)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    args = parser.parse_args()
+
+    # With the engine core in its own process it starts stepping while LLM.generate is
+    # still adding requests, so batch mixes (and vLLM CPU's float32 numbers, which depend
+    # on them at the 1e-2 level) vary between runs. In-process, every request is queued
+    # before the first step: two runs of one backend are bit-identical.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from .engine import tiny_engine_kwargs
+
+    kwargs = tiny_engine_kwargs(on_gpu=False)
+    if args.attention_backend:
+        kwargs["attention_backend"] = args.attention_backend
+    if args.attention_config_backend:
+        # LLM() parses attention_config before vLLM loads plugins; load them first so the
+        # TRTLLM_MLA name exists (README: "Selecting the backend").
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+        kwargs["attention_config"] = {"backend": args.attention_config_backend}
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_seqs:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.kv_cache_bytes:
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
+    llm = LLM(model=args.model, dtype="float32", **kwargs)
+
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    max_tokens = [int(x) for x in args.max_tokens.split(",")]
+    if len(max_tokens) == 1:
+        max_tokens *= len(lens)
+    prompts = [TokensPrompt(prompt_token_ids=prompt_ids(n, i)) for i, n in enumerate(lens)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=2, ignore_eos=True)
+              for m in max_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result = {"prompts": []}
+    for out in outputs:
+        completion = out.outputs[0]
+        steps = [
+            {str(tok): lp.logprob for tok, lp in step.items()} for step in completion.logprobs
+        ]
+        result["prompts"].append(
+            {"prompt_len": len(out.prompt_token_ids), "token_ids": list(completion.token_ids),
+             "logprobs": steps}
+        )
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

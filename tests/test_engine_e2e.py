@@ -69,3 +69,14 @@ def test_unservable_configuration_refused_at_start(engine):
     assert run.returncode != 0
     assert "decode route 'trtllm-gen' cannot serve this configuration" in run.log
     assert "SM100" in run.log
+
+
+def test_installed_but_unselected_changes_nothing(engine, vllm_cpu_mla):
+    # VLLM_PLUGINS="" is vLLM's allowlist that matches no plugin: the engine as if the
+    # plugin were not installed.
+    without = engine(env={"VLLM_PLUGINS": ""})
+    assert without.returncode == 0, without.log[-3000:]
+    # Same backend choice, bit-identical outputs (runs are deterministic in-process).
+    assert ("Using CPU_MLA backend" in without.log) == ("Using CPU_MLA backend" in
+                                                         vllm_cpu_mla.log)
+    assert without.result == vllm_cpu_mla.result

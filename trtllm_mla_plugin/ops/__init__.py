@@ -3,7 +3,7 @@
 Imports no engine (vLLM) and no kernel package at import time.
 """
 
-from .decoder import MLADecoder, RouteChoice, choose_route, mla_decode
+from .decoder import MLADecoder, RouteChoice, choose_route, mla_decode, route_set
 from .platform import Platform, platform_of
 from .reference import mla_decode_reference
 from .spec import UNIT_SCALES, DecodeBatch, DecodeSpec, KVScales
@@ -20,4 +20,5 @@ __all__ = [
     "mla_decode",
     "mla_decode_reference",
     "platform_of",
+    "route_set",
 ]

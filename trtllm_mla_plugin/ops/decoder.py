@@ -28,21 +28,11 @@ class RouteChoice:
         return "\n".join(lines)
 
 
-def choose_route(spec: DecodeSpec, platform: Platform, forced: str | None = None) -> RouteChoice:
-    """First route of the policy's ranking that can serve ``spec`` on ``platform``.
-
-    ``forced`` names one route (tests, benchmarks, ``TRTLLM_MLA_DECODE_ROUTE``); it must be
-    eligible, else ``ValueError`` with its reason.
-    """
-    if forced is not None:
-        if forced not in ROUTES:
-            raise ValueError(f"unknown decode route {forced!r}; known: {', '.join(ROUTES)}")
-        reason = ROUTES[forced].unsupported_reason(spec, platform)
-        if reason is not None:
-            raise ValueError(f"decode route {forced!r} cannot serve this configuration: {reason}")
-        return RouteChoice(forced, ROUTES[forced].kernel, ())
+def _first_eligible(
+    ranking: tuple[str, ...], spec: DecodeSpec, platform: Platform
+) -> RouteChoice:
     skipped: list[tuple[str, str]] = []
-    for name in policy.rank(spec, platform):
+    for name in ranking:
         reason = ROUTES[name].unsupported_reason(spec, platform)
         if reason is None:
             return RouteChoice(name, ROUTES[name].kernel, tuple(skipped))
@@ -53,19 +43,57 @@ def choose_route(spec: DecodeSpec, platform: Platform, forced: str | None = None
     )
 
 
+def choose_route(
+    spec: DecodeSpec,
+    platform: Platform,
+    forced: str | None = None,
+    shape: policy.BatchShape | None = None,
+) -> RouteChoice:
+    """First route of the policy's ranking that can serve ``spec`` on ``platform``.
+
+    ``shape`` is one step's batch (``None``: the per-spec default ranking). ``forced``
+    names one route (tests, benchmarks, ``TRTLLM_MLA_DECODE_ROUTE``); it must be eligible,
+    else ``ValueError`` with its reason.
+    """
+    if forced is not None:
+        if forced not in ROUTES:
+            raise ValueError(f"unknown decode route {forced!r}; known: {', '.join(ROUTES)}")
+        reason = ROUTES[forced].unsupported_reason(spec, platform)
+        if reason is not None:
+            raise ValueError(f"decode route {forced!r} cannot serve this configuration: {reason}")
+        return RouteChoice(forced, ROUTES[forced].kernel, ())
+    return _first_eligible(policy.rank(spec, platform, shape), spec, platform)
+
+
+def route_set(spec: DecodeSpec, platform: Platform) -> tuple[RouteChoice, ...]:
+    """The routes a decoder may pick per batch: the first eligible route of every ranking
+    the policy can produce for ``spec``, default first, without repeats."""
+    found: dict[str, RouteChoice] = {}
+    for ranking in policy.rankings(spec, platform):
+        choice = _first_eligible(ranking, spec, platform)
+        found.setdefault(choice.name, choice)
+    return tuple(found.values())
+
+
 class MLADecoder:
     """Absorbed-MLA paged decode for one group of layers sharing a ``DecodeSpec``.
 
-    Construct once (allocates the route's persistent buffers for up to ``max_batch_size``
-    requests), ``plan`` once per step, ``run`` once per layer.
+    Construct once (allocates the persistent buffers of every route it may use for up to
+    ``max_batch_size`` requests), ``plan`` once per step, ``run`` once per layer.
+
+    Route choice: with ``route=None`` the policy (``ops.policy``) may pick a different
+    route per step from host-side batch facts (batch size, ``max_seq_len``, ``kv_tokens``);
+    the decoder then holds each route of ``route_set`` and ``route_name`` names the set
+    (``"flashinfer-fa3+flashmla"``). ``route`` forces one route.
 
     CUDA graphs: ``run`` may be captured. A captured ``run`` replays correctly after
     ``plan`` is called again with the same batch size (new lengths and block tables) when
-    the decoder was built with ``cuda_graph=True``; FlashInfer's FA2/FA3 routes then keep one
-    planned wrapper with fixed metadata buffers per batch size (sized on the first plan of
-    that batch size: later block tables of that size must not be wider). Other routes keep
-    fixed buffers either way. Build one decoder per stream: the routes' buffers are shared
-    by every layer of a step.
+    the decoder was built with ``cuda_graph=True``. Such a decoder ranks routes without the
+    batch's lengths, so the route of a batch size never changes between capture and replay.
+    FlashInfer's FA2/FA3 routes then keep one planned wrapper with fixed metadata buffers
+    per batch size (sized on the first plan of that batch size: later block tables of that
+    size must not be wider). Other routes keep fixed buffers either way. Build one decoder
+    per stream: the routes' buffers are shared by every layer of a step.
     """
 
     def __init__(
@@ -79,19 +107,63 @@ class MLADecoder:
         check_spec(spec)
         self.spec = spec
         self.device = torch.device(device)
-        self.choice = choose_route(spec, platform_of(self.device), route)
-        self.route: DecodeRoute = ROUTES[self.choice.name](
-            spec, self.device, max_batch_size, cuda_graph=cuda_graph
-        )
+        self.cuda_graph = cuda_graph
+        self.platform = platform_of(self.device)
+        default = choose_route(spec, self.platform, route)
+        choices = (default,) if route is not None else route_set(spec, self.platform)
+        self.routes: dict[str, DecodeRoute] = {
+            c.name: ROUTES[c.name](spec, self.device, max_batch_size, cuda_graph=cuda_graph)
+            for c in choices
+        }
+        if len(choices) == 1:
+            self.choice = default
+        else:
+            self.choice = RouteChoice(
+                "+".join(c.name for c in choices),
+                " | ".join(c.kernel for c in choices) + " (per batch, ops.policy)",
+                default.skipped,
+            )
+        #: The route of the last ``plan`` (the default one before any plan).
+        self.route: DecodeRoute = self.routes[default.name]
+        #: Forces length sorting on or off for routes that support it (benchmarks).
+        self.sort_override: bool | None = None
         self._batch: DecodeBatch | None = None
 
     @property
     def route_name(self) -> str:
+        """The route, or ``"a+b"`` for the set a per-batch decoder chooses from."""
         return self.choice.name
+
+    def batch_shape(self, batch: DecodeBatch) -> policy.BatchShape:
+        """What the policy sees of ``batch``: no lengths under ``cuda_graph``; the KV token
+        count is read from the device only when the caller gave none and it matters."""
+        if self.cuda_graph:
+            return policy.BatchShape(batch.batch_size, batch.max_q_len)
+        shape = policy.BatchShape(
+            batch.batch_size, batch.max_q_len, batch.max_seq_len, batch.kv_tokens
+        )
+        if policy.wants_kv_tokens(self.spec, shape):
+            kv_tokens = int(batch.seq_lens.sum())  # one device->host copy per step
+            shape = policy.BatchShape(
+                batch.batch_size, batch.max_q_len, batch.max_seq_len, kv_tokens
+            )
+        return shape
 
     def plan(self, batch: DecodeBatch) -> None:
         """Take this step's batch (host-side work; call outside CUDA-graph capture)."""
         check_batch(self.spec, batch, self.route.max_batch_size)
+        shape = None
+        if len(self.routes) > 1:
+            shape = self.batch_shape(batch)
+            ranking = policy.rank(self.spec, self.platform, shape)
+            name = next(n for n in ranking if n in self.routes)
+            self.route = self.routes[name]
+        if self.route.supports_length_sort:
+            sort = self.sort_override
+            if sort is None:
+                shape = shape or self.batch_shape(batch)
+                sort = policy.fa_sort_by_length(self.spec, shape)
+            self.route.sort_by_length = sort
         self.route.plan(batch)
         self._batch = batch
 

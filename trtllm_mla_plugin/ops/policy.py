@@ -1,36 +1,130 @@
 """Which eligible route is preferred, per GPU generation: one ranking, built from measurements.
 
 Eligibility (what a route *can* serve) lives with each route; this module only orders names.
-The evidence for each order is in docs/benchmarks.md.
+The evidence for each order and threshold is in docs/benchmarks.md ("Route policy").
+
+On SM90 the order may depend on the step's batch (``BatchShape``): FlashMLA overtakes
+FlashInfer FA3 on large batches whose KV lengths are long and spread out. Everything else
+ranks per ``DecodeSpec`` alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .platform import Platform
 from .spec import DecodeSpec
 
 REFERENCE = "torch-reference"
+FA3, FLASHMLA, FA2 = "flashinfer-fa3", "flashmla", "flashinfer-fa2"
 
 # SM100/SM103: TRTLLM-gen is the kernel the plugin exists for; FlashInfer's CuTe DSL MLA
 # kernel takes head counts TRTLLM-gen cannot tile.
-BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", "flashinfer-fa2", REFERENCE)
-# SM90: FlashInfer FA3 won or tied most shapes on the H200 (../docs/benchmarks.md);
-# FlashMLA next, FA2 last among kernels.
-HOPPER = ("flashinfer-fa3", "flashmla", "flashinfer-fa2", REFERENCE)
-AMPERE_ADA = ("flashinfer-fa2", REFERENCE)
+BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
+# SM90: FlashInfer FA3 (with length-sorted requests) by default; FlashMLA first for the
+# batches of ``hopper_prefers_flashmla``.
+HOPPER = (FA3, FLASHMLA, FA2, REFERENCE)
+HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, FA2, REFERENCE)
+AMPERE_ADA = (FA2, REFERENCE)
 OTHER = (REFERENCE,)
 
+# Thresholds of the SM90 rule, from the H200 run of docs/benchmarks.md (2026-11-30):
+#: FlashMLA first for every batch whose longest request reaches this many tokens ...
+FLASHMLA_LONG_SEQ = 32 * 1024
+#: ... and, with at least this many heads, for ragged batches (max / mean >= SPREAD) too.
+FLASHMLA_MANY_HEADS = 64
+RAGGED_SPREAD = 1.25
+#: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
+#: when lengths are unknown, as under CUDA graphs); below it the sort costs more than it saves.
+FA_SORT_MIN_BATCH = 128
+#: kv_tokens matters only to batches of at least this many (possible) KV tokens.
+KV_TOKENS_WORTH_COUNTING = 64 * 1024
 
-def rank(spec: DecodeSpec, platform: Platform) -> tuple[str, ...]:
-    """Route names for ``spec`` on ``platform``, most preferred first (eligibility ignored)."""
-    del spec  # the per-shape Hopper policy of docs/benchmarks.md plugs in here
+
+@dataclass(frozen=True)
+class BatchShape:
+    """Host-side facts about one step's batch that the ranking may use (no device data).
+
+    Attributes:
+        batch_size: requests in the step.
+        max_q_len: largest query length of a request.
+        max_seq_len: host-side bound on ``seq_lens``; ``None`` when unknown (CUDA-graph
+            decoders rank without lengths so a captured batch size keeps its route).
+        kv_tokens: ``sum(seq_lens)`` when the host knows it, else ``None``.
+    """
+
+    batch_size: int
+    max_q_len: int = 1
+    max_seq_len: int | None = None
+    kv_tokens: int | None = None
+
+    @property
+    def spread(self) -> float | None:
+        """``max / mean`` of the lengths (1.0 for uniform batches), ``None`` if unknown."""
+        if self.max_seq_len is None or not self.kv_tokens:
+            return None
+        return self.max_seq_len * self.batch_size / self.kv_tokens
+
+
+def wants_kv_tokens(spec: DecodeSpec, shape: BatchShape) -> bool:
+    """Whether ``kv_tokens`` could change the SM90 choice for ``shape`` (so a caller without
+    it should count it): only when the spread matters and the batch can be large."""
+    if shape.max_seq_len is None or shape.kv_tokens is not None:
+        return False
+    if shape.max_seq_len >= FLASHMLA_LONG_SEQ:
+        return False
+    spread_matters = spec.num_heads >= FLASHMLA_MANY_HEADS or shape.batch_size >= FA_SORT_MIN_BATCH
+    return spread_matters and shape.batch_size * shape.max_seq_len >= KV_TOKENS_WORTH_COUNTING
+
+
+def _ragged(shape: BatchShape) -> bool:
+    spread = shape.spread
+    return spread is not None and spread >= RAGGED_SPREAD
+
+
+def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+    """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md)."""
+    if shape is None or shape.max_seq_len is None:
+        return False
+    if shape.max_seq_len >= FLASHMLA_LONG_SEQ:
+        return True
+    return spec.num_heads >= FLASHMLA_MANY_HEADS and _ragged(shape)
+
+
+def fa_sort_by_length(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+    """Whether FlashInfer FA routes plan this batch's requests longest first (lever (a) of
+    docs/benchmarks.md): large batches only, and only ragged ones when lengths are known."""
+    del spec
+    if shape is None or shape.batch_size < FA_SORT_MIN_BATCH:
+        return False
+    if shape.max_seq_len is None:
+        return True
+    return _ragged(shape)
+
+
+def rank(
+    spec: DecodeSpec, platform: Platform, shape: BatchShape | None = None
+) -> tuple[str, ...]:
+    """Route names for ``spec`` on ``platform``, most preferred first (eligibility ignored).
+
+    ``shape`` is the step's batch; ``None`` gives the per-spec default (used to build a
+    decoder and whenever lengths are unknown).
+    """
     if platform.kind != "cuda" or platform.capability is None:
         return OTHER
     major = platform.capability[0]
     if platform.capability in ((10, 0), (10, 3)):
         return BLACKWELL
     if major == 9:
-        return HOPPER
+        return HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
     if platform.capability >= (8, 0):
         return AMPERE_ADA
     return OTHER
+
+
+def rankings(spec: DecodeSpec, platform: Platform) -> tuple[tuple[str, ...], ...]:
+    """Every ranking ``rank`` can return for ``spec`` on ``platform`` over all batches
+    (a decoder builds the first eligible route of each)."""
+    if platform.kind == "cuda" and platform.capability and platform.capability[0] == 9:
+        return (HOPPER, HOPPER_FLASHMLA_FIRST)
+    return (rank(spec, platform),)

@@ -1,7 +1,8 @@
 """Pure-torch absorbed-MLA paged decode: the CPU route and the oracle of every test.
 
 Runs on any device and dtype. Arithmetic happens in float32, or float64 when the query is
-float64 (the tests' oracle), and the result is cast to the query dtype.
+float64 (the tests' oracle), and the result is cast to the query dtype
+(bfloat16 for an FP8 query) or to ``out``'s.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def mla_decode_reference(
         out: optional ``[num_tokens, num_heads, kv_lora_rank]`` written in place.
 
     Returns:
-        ``[num_tokens, num_heads, kv_lora_rank]`` in ``query.dtype``.
+        ``[num_tokens, num_heads, kv_lora_rank]`` in ``query.dtype`` (bfloat16 for an FP8
+        query), or ``out``.
     """
     num_tokens, _, _ = query.shape
     block_size = kv_cache.shape[1]
@@ -96,8 +98,11 @@ def mla_decode_reference(
     # A row that sees no key (padding) yields NaN from softmax; define it as zero output.
     probs = torch.nan_to_num(probs, nan=0.0)
     values = rows[..., :kv_lora_rank] * scales.v_scale
-    result = torch.einsum("ths,tsd->thd", probs, values).to(query.dtype)
+    result = torch.einsum("ths,tsd->thd", probs, values)
     if out is None:
-        return result
-    out.copy_(result)
+        # An FP8 query gives bfloat16 output (as MLADecoder.output_dtype says); rounding the
+        # result to FP8 would lose all but 3 mantissa bits.
+        fp8_query = query.dtype == torch.float8_e4m3fn
+        return result.to(torch.bfloat16 if fp8_query else query.dtype)
+    out.copy_(result)  # one rounding, straight to the output's dtype
     return out

@@ -62,6 +62,9 @@ class DecodeBatch:
         max_q_len: largest query length in the batch (1 without speculative decoding).
         max_seq_len: host-side bound on ``seq_lens`` (kernels size grids from it).
         num_tokens: query rows, ``cu_seqlens_q[-1]`` or ``batch``.
+        kv_tokens: host-side ``sum(seq_lens)`` when the caller has it (e.g. from vLLM's
+            ``seq_lens_cpu``); lets the SM90 policy pick a route per batch without a
+            device-to-host copy. ``None``: the decoder counts it only when it matters.
     """
 
     block_table: torch.Tensor
@@ -70,6 +73,7 @@ class DecodeBatch:
     cu_seqlens_q: torch.Tensor | None = None
     max_q_len: int = 1
     num_tokens: int | None = None
+    kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.cu_seqlens_q is None:

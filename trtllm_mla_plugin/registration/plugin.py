@@ -85,16 +85,20 @@ def _route_cpu_mla_through_selection(enum, register_backend) -> None:
 
 
 def _select_for_mla_layers_without_explicit_backend() -> None:
-    """Make the platform treat "no backend selected" as TRTLLM_MLA for MLA layers.
+    from vllm.platforms import current_platform
+
+    install_env_selection(type(current_platform))
+
+
+def install_env_selection(platform_cls: type) -> None:
+    """Make ``platform_cls`` treat "no backend selected" as TRTLLM_MLA for MLA layers.
 
     vLLM >= 0.32 no longer reads ``VLLM_ATTENTION_BACKEND``; this restores it for our name
     only. Installed only when the variable says TRTLLM_MLA; an explicit
-    ``--attention-backend`` still wins, and non-MLA layers are untouched.
+    ``--attention-backend`` still wins, and non-MLA layers are untouched. Idempotent.
     """
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    platform_cls = type(current_platform)
     original = platform_cls.get_attn_backend_cls
     if getattr(original, "_trtllm_mla_env_selection", False):
         return

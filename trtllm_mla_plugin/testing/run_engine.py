@@ -68,7 +68,7 @@ def main() -> None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.kv_cache_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
-    llm = LLM(model=args.model, dtype="float32", **kwargs)
+    llm = LLM(model=args.model, dtype="float32", disable_log_stats=False, **kwargs)
 
     lens = [int(x) for x in args.prompt_lens.split(",")]
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
@@ -88,6 +88,9 @@ def main() -> None:
             {"prompt_len": len(out.prompt_token_ids), "token_ids": list(completion.token_ids),
              "logprobs": steps}
         )
+    result["num_preemptions"] = sum(
+        m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
+    )
     Path(args.out).write_text(json.dumps(result))
 
 

@@ -78,9 +78,13 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             max_q_len=self.reorder_batch_threshold,
         )
         max_batch = vllm_config.scheduler_config.max_num_seqs
+        cudagraph_mode = self.compilation_config.cudagraph_mode
+        full_graphs = device.type == "cuda" and cudagraph_mode.has_full_cudagraphs()
         # The persistent decoder: one per KV-cache group, planned once per step and shared
         # by every layer of the group, so its buffers keep stable addresses for CUDA graphs.
-        self.decoder = MLADecoder(spec, device, max_batch, route=os.environ.get(ROUTE_ENV_VAR))
+        self.decoder = MLADecoder(
+            spec, device, max_batch, route=os.environ.get(ROUTE_ENV_VAR), cuda_graph=full_graphs
+        )
         if self.decoder.route_name == "torch-reference" and device.type == "cuda":
             logger.warning_once(
                 "TRTLLM_MLA: no GPU decode kernel serves this model on this GPU; decode runs "

@@ -37,6 +37,10 @@ class DecodeRoute(ABC):
     name: ClassVar[str]
     #: Human-readable kernel name for logs and the doctor.
     kernel: ClassVar[str]
+    #: Whether the route can plan requests in length order (``sort_by_length``, set by the
+    #: decoder from ``ops.policy`` before each ``plan``).
+    supports_length_sort: ClassVar[bool] = False
+    sort_by_length: bool = False
 
     @classmethod
     @abstractmethod

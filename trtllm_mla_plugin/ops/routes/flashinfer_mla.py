@@ -14,6 +14,13 @@ Read from FlashInfer 0.7.2.post1 (``mla/_batch_mla/_wrapper.py``, ``_backends/_f
   are declared ineligible instead of failing mid-serving.
 * ``use_cuda_graph=True`` wrappers copy metadata into caller-reserved int32 buffers at each
   ``plan`` and may be re-planned (same batch size), so a captured ``run`` stays valid.
+* its planner (``scheduler.cuh`` ``MLAPlan``) splits each request's KV into chunks of about
+  ``sum(kv_len) / num_SMs`` tokens and hands chunks to the least-loaded CTA *in request
+  order*; on ragged batches a long request late in the batch lands on an already busy CTA.
+  With ``sort_by_length`` (set per batch by ``ops.policy``; uniform query lengths only)
+  the route hands the planner the requests longest first (longest-processing-time-first
+  list scheduling) and
+  puts the outputs back in the caller's order (docs/benchmarks.md, lever (a)).
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ def fa_unsupported_reason(
 
 class _FlashInferFARoute(DecodeRoute):
     backend: ClassVar[str]
+    supports_length_sort = True
 
     def __init__(
         self,
@@ -104,6 +112,18 @@ class _FlashInferFARoute(DecodeRoute):
         # reserved metadata buffers its captured launches read.
         self._wrappers: dict[int, object] = {}
         self._wrapper = None
+        # Length sort: row permutation (sorted row -> caller's row) and the permuted query
+        # and output rows, all persistent so captured runs read this step's permutation.
+        self._sorted = False
+        if self.supports_length_sort:
+            rows = max_batch_size * spec.max_q_len
+            out_dtype = torch.bfloat16 if spec.q_dtype == torch.float8_e4m3fn else spec.q_dtype
+            self._row_ids = torch.arange(rows, dtype=torch.int64, device=device)
+            self._perm_rows = torch.zeros(rows, dtype=torch.int64, device=device)
+            self._q_sorted = torch.zeros(rows, spec.num_heads, spec.head_dim,
+                                         dtype=spec.q_dtype, device=device)
+            self._out_sorted = torch.zeros(rows, spec.num_heads, spec.kv_lora_rank,
+                                           dtype=out_dtype, device=device)
 
     def _wrapper_for(self, batch: DecodeBatch) -> object:
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -148,10 +168,25 @@ class _FlashInferFARoute(DecodeRoute):
         cu = self._uniform_cu[: b + 1] if batch.uniform_q_len else batch.cu_seqlens_q
         if batch.uniform_q_len and batch.max_q_len != spec.max_q_len:
             cu = self._uniform_cu[: b + 1] // spec.max_q_len * batch.max_q_len
+        block_table, seq_lens = batch.block_table, batch.seq_lens
+        # Under cuda_graph the gather/scatter path is fixed (captured); batches it cannot
+        # reorder (ragged query lengths, one request) then take the identity permutation.
+        self._sorted = self.sort_by_length and (self.cuda_graph or b > 1)
+        if self._sorted:
+            rows = batch.num_tokens
+            if batch.uniform_q_len and b > 1:
+                # Device-side argsort: no host sync beyond the one FlashInfer's plan makes.
+                perm = torch.argsort(seq_lens, descending=True, stable=True)
+                block_table, seq_lens = block_table[perm], seq_lens[perm]
+                m = batch.max_q_len
+                self._perm_rows[:rows].copy_(
+                    (perm[:, None] * m + self._row_ids[:m][None, :]).flatten())
+            else:
+                self._perm_rows[:rows].copy_(self._row_ids[:rows])
         metadata = MLAPlanMetadata.dense(
             cum_seq_lens_q=cu.to(torch.int32),
-            block_tables=batch.block_table.to(torch.int32),
-            seq_lens=batch.seq_lens.to(torch.int32),
+            block_tables=block_table.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
             max_q_len=batch.max_q_len,
         )
         wrapper = self._wrapper_for(batch)
@@ -171,6 +206,19 @@ class _FlashInferFARoute(DecodeRoute):
         self._wrapper = wrapper
 
     def run(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+    ) -> torch.Tensor:
+        if not self._sorted:
+            return self._run(query, kv_cache, out, scales)
+        rows = query.shape[0]
+        perm = self._perm_rows[:rows]
+        q_sorted, out_sorted = self._q_sorted[:rows], self._out_sorted[:rows]
+        torch.index_select(query, 0, perm, out=q_sorted)
+        self._run(q_sorted, kv_cache, out_sorted, scales)
+        out.index_copy_(0, perm, out_sorted)
+        return out
+
+    def _run(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
     ) -> torch.Tensor:
         if not self.spec.fp8_kv:

@@ -122,6 +122,9 @@ class FlashMLARoute(DecodeRoute):
             q = padded.view(b, m, spec.num_heads, spec.head_dim)
         else:
             q = query.view(b, m, spec.num_heads, spec.head_dim)
+        # Write straight into ``out`` (one token per request: FlashMLA's ``out=`` failed for
+        # q_len > 1 on the H200, docs/benchmarks.md).
+        direct = m == 1 and not ragged and out.is_contiguous() and out.dtype == q.dtype
         result, _ = self._fm.flash_mla_with_kvcache(
             q=q,
             k_cache=kv_cache.unsqueeze(-2),
@@ -132,7 +135,10 @@ class FlashMLARoute(DecodeRoute):
             softmax_scale=spec.softmax_scale,
             causal=True,
             is_fp8_kvcache=False,
+            out=out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,
         )
+        if direct:
+            return out
         result = result.view(b * m, spec.num_heads, spec.kv_lora_rank)
         if ragged:
             torch.index_select(result, 0, self._slot[:t], out=out)

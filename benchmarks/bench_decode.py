@@ -1,0 +1,338 @@
+"""MLA decode benchmark on one GPU: the plugin's dispatch and routes against every peer.
+
+Usage (one process, on the GPU machine)::
+
+    python benchmarks/bench_decode.py --out DIR [--quick] [--noise] [--host]
+
+Writes ``DIR/decode.csv`` (one row per shape x kernel x pass), ``DIR/ceilings.csv`` and
+``DIR/host.csv``, then prints a summary table. Shapes: DeepSeek-V3/Kimi-K2 absorbed MLA
+(latent 512 + rope 64, softmax scale 1/sqrt(192)); lengths all = ctx ("u") or uniform-random
+in [1, ctx] with a fixed seed ("r").
+
+Per kernel: median time of ``REPS_PER_GRAPH`` calls captured in one CUDA graph (so launch
+gaps do not count; ``triton.testing.do_bench`` median of graph replays, L2 flushed before each
+replay, and the calls inside a replay rotate over cache copies that together exceed L2);
+``%copy`` = (KV bytes read once + q + out) / time / copy ceiling; TFLOP/s =
+2 * heads * (576 + 512) * sum over query rows of visible keys / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_kernels import Case, Kernel, flashmla_peer, plugin_kernels, triton_peer
+
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, mla_decode_reference
+
+DC, DR = 512, 64
+D = DC + DR
+SCALE = 1.0 / 192**0.5
+FP8 = torch.float8_e4m3fn
+L2_BYTES = 50 * 2**20
+REPS_PER_GRAPH = 10
+K = 1024
+
+# (heads, batch, ctx, lens "u"/"r", q_len, kv dtype, block)
+BF, F8 = "bf16", "fp8"
+FULL = [
+    (16, 1, 8 * K, "u", 1, BF, 64), (16, 32, 4 * K, "u", 1, BF, 64),
+    (16, 32, 4 * K, "r", 1, BF, 64), (16, 64, 4 * K, "u", 1, BF, 64),
+    (16, 64, 4 * K, "r", 1, BF, 64), (16, 128, 8 * K, "u", 1, BF, 64),
+    (16, 128, 8 * K, "r", 1, BF, 64), (16, 256, 4 * K, "u", 1, BF, 64),
+    (16, 256, 4 * K, "r", 1, BF, 64), (16, 64, 32 * K, "u", 1, BF, 64),
+    (16, 64, 32 * K, "r", 1, BF, 64), (16, 256, 1 * K, "r", 1, BF, 64),
+    (32, 64, 4 * K, "u", 1, BF, 64), (32, 64, 4 * K, "r", 1, BF, 64),
+    (32, 128, 8 * K, "r", 1, BF, 64), (64, 64, 8 * K, "u", 1, BF, 64),
+    (64, 64, 8 * K, "r", 1, BF, 64),
+    (128, 1, 8 * K, "u", 1, BF, 64), (128, 32, 4 * K, "u", 1, BF, 64),
+    (128, 64, 4 * K, "r", 1, BF, 64), (128, 128, 8 * K, "u", 1, BF, 64),
+    (128, 128, 8 * K, "r", 1, BF, 64), (128, 64, 32 * K, "u", 1, BF, 64),
+    (128, 64, 32 * K, "r", 1, BF, 64), (128, 256, 4 * K, "r", 1, BF, 64),
+    # block 32
+    (16, 64, 4 * K, "u", 1, BF, 32), (16, 64, 4 * K, "r", 1, BF, 32),
+    (128, 64, 4 * K, "r", 1, BF, 32),
+    # FP8 cache
+    (16, 64, 4 * K, "u", 1, F8, 64), (16, 64, 4 * K, "r", 1, F8, 64),
+    (16, 128, 8 * K, "r", 1, F8, 64), (128, 64, 4 * K, "u", 1, F8, 64),
+    # speculative decode
+    (16, 64, 4 * K, "r", 2, BF, 64), (16, 64, 4 * K, "r", 4, BF, 64),
+    (16, 128, 8 * K, "u", 4, BF, 64), (128, 64, 4 * K, "u", 2, BF, 64),
+]
+QUICK = [FULL[i] for i in (1, 4, 6, 8, 10, 19, 21, 23)]
+FA2_SHAPES = {FULL[i] for i in (3, 4, 21)}
+CHECK_MAX_TOKENS = 300 * K  # float32 reference on shapes up to this many KV tokens
+
+
+def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
+    heads, b, ctx, kind, m, kvd, block = shape
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if kind == "u":
+        lens = [ctx] * b
+    else:
+        lens = torch.randint(max(m, 1), ctx + 1, (b,), generator=g).tolist()
+    need = [-(-n // block) for n in lens]
+    width = -(-ctx // block)
+    nblocks = sum(need) + 1
+    perm = torch.randperm(nblocks, generator=g).to(torch.int32)
+    table = torch.full((b, width), int(perm[-1]), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    kv_dtype = FP8 if kvd == F8 else torch.bfloat16
+    cache_bytes = nblocks * block * D * (1 if kvd == F8 else 2)
+    copies = max(1, min(8, math.ceil(3 * L2_BYTES / cache_bytes)))
+    caches = []
+    for _ in range(copies):
+        c = torch.randn(nblocks, block, D, device=device, dtype=torch.bfloat16)
+        caches.append(c.to(kv_dtype) if kvd == F8 else c)
+    query = torch.randn(b * m, heads, D, device=device, dtype=torch.bfloat16)
+    spec = DecodeSpec(heads, DC, DR, block, torch.bfloat16, kv_dtype, SCALE, max_q_len=m)
+    batch = DecodeBatch(table.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
+                        max_seq_len=max(lens), max_q_len=m, kv_tokens=sum(lens))
+    name = f"h{heads} b{b} {ctx // K}k {kind} q{m} {kvd} p{block}"
+    case = Case(name, spec, batch, query, caches, lens, m)
+    case.info["with_fa2"] = shape in FA2_SHAPES
+    return case
+
+
+def bytes_flops(case: Case) -> tuple[int, float]:
+    spec, m = case.spec, case.q_len
+    esize = 1 if spec.fp8_kv else 2
+    kv_tokens = sum(case.lens_host)
+    rows = case.query.shape[0]
+    nbytes = kv_tokens * D * esize + rows * spec.num_heads * (D + DC) * 2
+    visible = sum(m * n - m * (m - 1) // 2 for n in case.lens_host)
+    return nbytes, 2.0 * spec.num_heads * (D + DC) * visible
+
+
+def time_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> float:
+    """Median microseconds of one call, from graph replays of ``reps`` calls."""
+    import triton.testing
+
+    for c in case.caches[:2]:
+        fn(c)  # warm-up (JIT, lazy state) outside capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for i in range(reps):
+            fn(case.caches[i % len(case.caches)])
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    return ms * 1e3 / reps
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("nan")
+    diff = out.float() - ref
+    return (diff.norm() / ref.norm()).item()
+
+
+def reference(case: Case) -> torch.Tensor:
+    return mla_decode_reference(
+        case.query.float(), case.caches[0].float(), case.batch.block_table,
+        case.batch.seq_lens, SCALE, DC, max_seq_len=case.batch.max_seq_len,
+    )
+
+
+def kernels_for(case: Case) -> list[Kernel]:
+    ks = plugin_kernels(case)
+    ks.append(flashmla_peer(case))
+    if case.batch.max_seq_len != min(case.lens_host) and case.q_len == 1:
+        ks.append(flashmla_peer(case, sort=True))
+    ks.append(triton_peer(case))
+    return ks
+
+
+def bench_shape(shape: tuple, idx: int, device, writer, pass_no: int, summary: list) -> None:
+    case = make_case(shape, seed=idx, device=device)
+    nbytes, flops = bytes_flops(case)
+    check = sum(case.lens_host) * case.q_len <= CHECK_MAX_TOKENS
+    ref = reference(case) if check else None
+    heads, b, ctx, kind, m, kvd, block = shape
+    row0 = dict(pass_no=pass_no, shape=case.name, heads=heads, batch=b, ctx=ctx, lens=kind,
+                q_len=m, kv=kvd, block=block, kv_tokens=sum(case.lens_host), bytes=nbytes,
+                flops=flops, spread=round(max(case.lens_host) * b / sum(case.lens_host), 3))
+    times = {}
+    for k in kernels_for(case):
+        row = dict(row0, kernel=k.name, status="ok", us="", pct_copy="", tflops="", rel_err="")
+        if k.absent:
+            row["status"] = "absent: " + k.absent
+        else:
+            try:
+                if ref is not None:
+                    k.out.fill_(float("nan"))
+                    row["rel_err"] = f"{rel_error(k.call(case.caches[0]), ref):.2e}"
+                us = time_graph(k.call, case)
+                times[k.name] = us
+                row.update(us=f"{us:.2f}", pct_copy=f"{100 * nbytes / (us * 1e-6) / COPY_BPS:.1f}",
+                           tflops=f"{flops / (us * 1e-6) / 1e12:.1f}")
+            except Exception as exc:
+                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:160]}"
+        writer.writerow(row)
+    plugin = next((t for n, t in times.items() if n.startswith("plugin")), None)
+    peers = {n: t for n, t in times.items() if n.startswith("peer:") and "sorted" not in n}
+    best = min(peers.items(), key=lambda kv: kv[1]) if peers else (None, None)
+    summary.append((pass_no, case.name, times, plugin, best, nbytes))
+    del case
+    torch.cuda.empty_cache()
+
+
+COPY_BPS = 4.2e12  # replaced by the measured ceiling in main()
+
+
+def ceilings(device) -> dict:
+    import triton.testing
+
+    n = 2 * 2**30 // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    copy_bps = 2 * src.numel() * 4 / (ms * 1e-3)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    bm = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms2 = triton.testing.do_bench(lambda: a @ bm, warmup=25, rep=200, return_mode="median")
+    return {"copy_GBps": copy_bps / 1e9, "bf16_matmul_TFLOPs": 2 * 8192**3 / (ms2 * 1e-3) / 1e12}
+
+
+def host_overhead(device, writer) -> None:
+    """Eager host cost per layer call (MLADecoder.run vs the bare kernel call) and graph
+    replay of decoder.run vs the bare kernel (both one call per graph and 10 per graph)."""
+    import triton.testing
+
+    for shape in ((16, 64, 4 * K, "u", 1, BF, 64), (16, 64, 4 * K, "r", 1, BF, 64)):
+        case = make_case(shape, seed=99, device=device)
+        cache = case.caches[0]
+        for route in ("flashinfer-fa3", "flashmla"):
+            k = next(x for x in plugin_kernels(case) if x.name == {"flashinfer-fa3": "fa3",
+                                                                  "flashmla": "flashmla"}[route])
+            dec, out = k.obj, k.out
+            r = dec.route
+            if route == "flashinfer-fa3":
+                def bare(c, r=r, out=out, q=case.query):
+                    r._wrapper.run(query=q, kv_cache=c, out=out)
+            else:
+                fm = r._fm
+                meta, _ = fm.get_mla_metadata()
+                q4 = case.query.view(case.batch.batch_size, 1, -1, D)
+                out4 = out.view(case.batch.batch_size, 1, -1, DC)
+
+                def bare(c, fm=fm, meta=meta, q4=q4, out4=out4, r=r):
+                    fm.flash_mla_with_kvcache(
+                        q=q4, k_cache=c.unsqueeze(-2), block_table=r._block_table[:q4.shape[0]],
+                        cache_seqlens=r._seq_lens[:q4.shape[0]], head_dim_v=DC,
+                        tile_scheduler_metadata=meta, softmax_scale=SCALE, causal=True,
+                        out=out4)
+            res = {}
+            for label, fn in (("decoder", lambda c, k=k: k.call(c)), ("bare", bare)):
+                for _ in range(20):
+                    fn(cache)
+                torch.cuda.synchronize()
+                n = 200
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn(cache)
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                res[f"{label}_host_us"] = (t1 - t0) / n * 1e6
+                for reps in (1, 10):
+                    g = torch.cuda.CUDAGraph()
+                    s = torch.cuda.Stream()
+                    s.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+                        for _ in range(reps):
+                            fn(cache)
+                    torch.cuda.synchronize()
+                    ms = triton.testing.do_bench(g.replay, warmup=10, rep=60,
+                                                 return_mode="median")
+                    res[f"{label}_graph{reps}_us"] = ms * 1e3 / reps
+            writer.writerow(dict(shape=case.name, route=route,
+                                 **{k2: f"{v:.2f}" for k2, v in res.items()}))
+        del case
+        torch.cuda.empty_cache()
+
+
+def prewarm_jit() -> None:
+    """Compile FlashInfer's MLA modules in parallel processes (about 20 s each)."""
+    code = ("import torch,sys;from flashinfer.mla._batch_mla._backends._fa_common import "
+            "get_batch_mla_module as g;b,kv=sys.argv[1],getattr(torch,sys.argv[2]);"
+            "q=torch.float16 if sys.argv[2]=='float16' else torch.bfloat16;"
+            "g(b,q,kv,q,torch.int32,512,64,False)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, be, dt])
+             for be in ("fa3", "fa2") for dt in ("bfloat16", "float8_e4m3fn", "float16")]
+    for p in procs:
+        p.wait()
+
+
+def main() -> None:
+    global COPY_BPS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--quick", action="store_true", help="8 representative shapes only")
+    ap.add_argument("--noise", action="store_true", help="time the quick shapes a second time")
+    ap.add_argument("--host", action="store_true", help="measure host-side dispatch cost")
+    ap.add_argument("--no-prewarm", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    t_start = time.time()
+    if not args.no_prewarm:
+        prewarm_jit()
+        print(f"prewarm done in {time.time() - t_start:.0f} s", flush=True)
+    ceil = ceilings(device)
+    COPY_BPS = ceil["copy_GBps"] * 1e9
+    with open(args.out / "ceilings.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["gpu", "torch", "copy_GBps", "bf16_matmul_TFLOPs"])
+        w.writerow([torch.cuda.get_device_name(), torch.__version__,
+                    f"{ceil['copy_GBps']:.0f}", f"{ceil['bf16_matmul_TFLOPs']:.0f}"])
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul "
+          f"{ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    fields = ["pass_no", "shape", "heads", "batch", "ctx", "lens", "q_len", "kv", "block",
+              "kv_tokens", "spread", "bytes", "flops", "kernel", "status", "us", "pct_copy",
+              "tflops", "rel_err"]
+    summary: list = []
+    shapes = QUICK if args.quick else FULL
+    with open(args.out / "decode.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for shape in shapes:
+            bench_shape(shape, FULL.index(shape), device, writer, 1, summary)
+            f.flush()
+            print(f"[{time.time() - t_start:.0f}s] {summary[-1][1]} done", flush=True)
+        if args.noise:
+            for shape in QUICK:
+                bench_shape(shape, FULL.index(shape), device, writer, 2, summary)
+                f.flush()
+    if args.host:
+        with open(args.out / "host.csv", "w", newline="") as f:
+            cols = ["shape", "route"] + [f"{a}_{b}" for a in ("decoder", "bare")
+                                         for b in ("host_us", "graph1_us", "graph10_us")]
+            writer = csv.DictWriter(f, fieldnames=cols)
+            writer.writeheader()
+            host_overhead(device, writer)
+    print(f"\n{'pass':4} {'shape':32} {'plugin us':>9} {'%copy':>6} {'best peer':>24} "
+          f"{'us':>8} {'ratio':>6}")
+    for pass_no, name, _times, plugin, (peer, peer_us), nbytes in summary:
+        pct = 100 * nbytes / (plugin * 1e-6) / COPY_BPS if plugin else float("nan")
+        ratio = peer_us / plugin if plugin and peer_us else float("nan")
+        print(f"{pass_no:4} {name:32} {plugin or float('nan'):9.1f} {pct:6.1f} "
+              f"{peer!s:>24} {peer_us or float('nan'):8.1f} {ratio:6.2f}")
+    print(f"total {time.time() - t_start:.0f} s; pid {os.getpid()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The kernels the decode benchmark times, each behind one ``Kernel`` interface.
+
+A kernel is built for one ``Case`` (planned once) and exposes ``call(cache)``: one decode
+of the case's query over ``cache`` (``[num_blocks, block, 576]``) into its output buffer
+(``[tokens, heads, 512]``). ``absent`` is set (and ``call`` is ``None``) when the kernel
+cannot run here; the reason is reported, never dropped.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder
+from trtllm_mla_plugin.ops.platform import platform_of
+from trtllm_mla_plugin.ops.routes import ROUTES
+
+FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
+TRITON_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
+
+
+@dataclass
+class Case:
+    """One benchmark shape with its inputs on the GPU.
+
+    ``query [b * q_len, heads, 576]``, ``caches``: rotation copies of
+    ``[num_blocks, block, 576]``; ``block_table [b, width]`` int32; ``seq_lens [b]`` int32.
+    """
+
+    name: str
+    spec: DecodeSpec
+    batch: DecodeBatch
+    query: torch.Tensor
+    caches: list[torch.Tensor]
+    lens_host: list[int]
+    q_len: int
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Kernel:
+    name: str
+    call: object = None  # callable(cache) -> out tensor
+    absent: str | None = None
+    out: torch.Tensor | None = None
+    obj: object = None  # the decoder, for host-overhead measurements
+
+
+def _decoder_kernel(
+    name: str, case: Case, route: str | None, sort: bool | None = None
+) -> Kernel:
+    spec, device = case.spec, case.query.device
+    if route is not None:
+        reason = ROUTES[route].unsupported_reason(spec, platform_of(device))
+        if reason is not None:
+            return Kernel(name, absent=f"not eligible: {reason}")
+    dec = MLADecoder(spec, device, case.batch.batch_size, route=route)
+    dec.sort_override = sort
+    dec.plan(case.batch)
+    out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
+                      dtype=dec.output_dtype, device=device)
+
+    def call(cache: torch.Tensor) -> torch.Tensor:
+        return dec.run(case.query, cache, out=out)
+
+    return Kernel(name, call, out=out, obj=dec)
+
+
+def plugin_kernels(case: Case) -> list[Kernel]:
+    """The plugin's dispatch and each plugin route forced (FA3 also with sorting off, which
+    is FlashInfer's wrapper as any caller would use it)."""
+    ks = [_decoder_kernel("plugin", case, None)]
+    ks[0].name = f"plugin[{ks[0].obj.route.name}]"
+    ks.append(_decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))
+    ks.append(_decoder_kernel("peer:flashinfer-fa3", case, "flashinfer-fa3", sort=False))
+    ks.append(_decoder_kernel("flashmla", case, "flashmla"))
+    if case.info.get("with_fa2"):
+        ks.append(_decoder_kernel("fa2", case, "flashinfer-fa2"))
+    reason = ROUTES["trtllm-gen"].unsupported_reason(case.spec, platform_of(case.query.device))
+    ks.append(Kernel("trtllm-gen", absent=reason or "not timed"))
+    return ks
+
+
+def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
+    """vLLM's bundled FlashMLA ``flash_mla_with_kvcache`` called directly; with ``sort``
+    the requests are reordered longest first (lever (a)) and the output put back."""
+    name = "peer:vllm-flashmla" + ("-sorted" if sort else "")
+    spec, b, m = case.spec, case.batch.batch_size, case.q_len
+    if spec.fp8_kv or spec.block_size != 64:
+        return Kernel(name, absent="needs a bf16 cache of 64-token pages (FP8 uses another "
+                      "cache layout)")
+    try:
+        fm = importlib.import_module(FLASHMLA_MODULE)
+    except Exception as exc:
+        return Kernel(name, absent=f"import failed: {exc!r}")
+    table, lens = case.batch.block_table, case.batch.seq_lens
+    q = case.query.view(b, m, spec.num_heads, spec.head_dim)
+    perm = None
+    if sort:
+        perm = torch.argsort(lens, descending=True)
+        table, lens = table[perm].contiguous(), lens[perm].contiguous()
+        q_sorted = torch.empty_like(q)
+    meta, _ = fm.get_mla_metadata()
+    out4 = torch.empty(b, m, spec.num_heads, spec.kv_lora_rank, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(out4)
+
+    def call(cache: torch.Tensor) -> torch.Tensor:
+        qq = q
+        if perm is not None:
+            torch.index_select(q, 0, perm, out=q_sorted)
+            qq = q_sorted
+        fm.flash_mla_with_kvcache(
+            q=qq, k_cache=cache.unsqueeze(-2), block_table=table, cache_seqlens=lens,
+            head_dim_v=spec.kv_lora_rank, tile_scheduler_metadata=meta,
+            softmax_scale=spec.softmax_scale, causal=m > 1, out=out4,
+        )
+        if perm is not None:
+            out.index_copy_(0, perm, out4)
+            return out.view(b * m, spec.num_heads, spec.kv_lora_rank)
+        return out4.view(b * m, spec.num_heads, spec.kv_lora_rank)
+
+    return Kernel(name, call, out=out4)
+
+
+def triton_peer(case: Case) -> Kernel:
+    """vLLM's Triton MLA decode (``decode_attention_fwd``, is_mla=True) with vLLM's split
+    rule (``triton_mla.py``: next_pow2(max_seq_len // 512) capped at 2 * SMs)."""
+    name = "peer:vllm-triton"
+    spec, b = case.spec, case.batch.batch_size
+    if case.q_len > 1 or spec.fp8_kv:
+        return Kernel(name, absent="not timed here for q_len > 1 / FP8 (one-token bf16 only)")
+    try:
+        tri = importlib.import_module(TRITON_MODULE)
+        import triton
+    except Exception as exc:
+        return Kernel(name, absent=f"import failed: {exc!r}")
+    sms = torch.cuda.get_device_properties(case.query.device).multi_processor_count
+    splits = min(triton.next_power_of_2(max(1, case.batch.max_seq_len // 512)), 2 * sms)
+    h = spec.num_heads
+    out = torch.empty(b, h, spec.kv_lora_rank, dtype=case.query.dtype, device=case.query.device)
+    lse = torch.empty(b, h, dtype=case.query.dtype, device=case.query.device)
+    logits = torch.empty(b, h, splits, spec.kv_lora_rank + 1, dtype=torch.float32,
+                         device=case.query.device)
+    one = torch.tensor(1.0, dtype=torch.float32, device=case.query.device)
+
+    def call(cache: torch.Tensor) -> torch.Tensor:
+        kv = cache.unsqueeze(2)
+        tri.decode_attention_fwd(
+            case.query, kv, kv[..., : spec.kv_lora_rank], out, lse, case.batch.block_table,
+            case.batch.seq_lens, logits, splits, spec.softmax_scale, spec.block_size,
+            k_scale=one, v_scale=one, is_mla=True,
+        )
+        return out
+
+    return Kernel(name, call, out=out)

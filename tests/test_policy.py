@@ -1,0 +1,168 @@
+"""The SM90 route policy of docs/benchmarks.md, followed by the dispatcher on fake platforms.
+
+No GPU: routes are built with their kernel packages absent, so only the choice is checked
+(``MLADecoder`` is given a fake platform and stub routes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops import (
+    DecodeBatch,
+    DecodeSpec,
+    MLADecoder,
+    Platform,
+    choose_route,
+    policy,
+)
+from trtllm_mla_plugin.ops import decoder as decoder_mod
+from trtllm_mla_plugin.ops.policy import BatchShape
+from trtllm_mla_plugin.ops.routes import ROUTES
+
+H200 = Platform("cuda", (9, 0), "NVIDIA H200")
+B200 = Platform("cuda", (10, 0), "NVIDIA B200")
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+K = 1024
+
+
+def spec(heads=16, block=64, kv=BF16, q_len=1):
+    return DecodeSpec(heads, 512, 64, block, BF16, kv, 0.1, q_len)
+
+
+@pytest.fixture
+def kernels_present(monkeypatch):
+    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla"):
+        monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
+                            lambda name: True)
+
+
+def shape(b, max_len, mean_len=None, q=1):
+    mean_len = max_len if mean_len is None else mean_len
+    return BatchShape(b, q, max_len, b * mean_len)
+
+
+# (heads, batch shape, expected first route) -- the table in docs/benchmarks.md
+CASES = [
+    (16, shape(64, 4 * K), "flashinfer-fa3"),
+    (16, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),
+    (16, shape(256, 4 * K, 2 * K), "flashinfer-fa3"),
+    (16, shape(64, 32 * K), "flashmla"),
+    (16, shape(64, 32 * K, 16 * K), "flashmla"),
+    (32, shape(128, 8 * K, 4 * K), "flashinfer-fa3"),
+    (64, shape(64, 8 * K, 4 * K), "flashmla"),
+    (64, shape(64, 8 * K), "flashinfer-fa3"),
+    (128, shape(128, 8 * K), "flashinfer-fa3"),
+    (128, shape(128, 8 * K, 4 * K), "flashmla"),
+    (128, shape(256, 4 * K, 2 * K), "flashmla"),
+    (128, shape(64, 32 * K), "flashmla"),
+    (128, BatchShape(64, 1), "flashinfer-fa3"),  # lengths unknown (CUDA graphs)
+]
+
+
+@pytest.mark.parametrize(("heads", "batch", "expected"), CASES)
+def test_sm90_policy_table(kernels_present, heads, batch, expected):
+    assert choose_route(spec(heads), H200, shape=batch).name == expected
+
+
+def test_fp8_and_block32_never_take_flashmla(kernels_present):
+    long_ragged = shape(128, 32 * K, 8 * K)
+    assert choose_route(spec(128, kv=FP8), H200, shape=long_ragged).name == "flashinfer-fa3"
+    assert choose_route(spec(128, block=32), H200, shape=long_ragged).name == "flashinfer-fa3"
+
+
+def test_sort_rule():
+    s = spec()
+    assert not policy.fa_sort_by_length(s, shape(64, 4 * K, 2 * K))
+    assert policy.fa_sort_by_length(s, shape(128, 8 * K, 4 * K))
+    assert not policy.fa_sort_by_length(s, shape(256, 4 * K))  # uniform: no gain
+    assert policy.fa_sort_by_length(s, BatchShape(256, 1))  # graphs: by batch size only
+    assert not policy.fa_sort_by_length(s, BatchShape(64, 1))
+
+
+def test_kv_tokens_only_counted_when_it_matters():
+    assert not policy.wants_kv_tokens(spec(16), BatchShape(8, 1, 4 * K))
+    assert not policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 64 * K))  # long: flashmla
+    assert policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 4 * K))
+    assert policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K))
+    assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K, 100))
+
+
+def test_every_ranking_is_listed():
+    for heads in (16, 128):
+        for batch in [c[1] for c in CASES] + [None]:
+            assert policy.rank(spec(heads), H200, batch) in policy.rankings(spec(heads), H200)
+    assert policy.rankings(spec(), B200) == (policy.BLACKWELL,)
+
+
+class _StubRoute:
+    """Records plans instead of calling kernels."""
+
+    def __init__(self, name, supports_sort):
+        self.name, self.supports_length_sort, self.sort_by_length = name, supports_sort, False
+        self.max_batch_size = 512
+        self.plans = []
+
+    def plan(self, batch):
+        self.plans.append((batch.batch_size, self.sort_by_length))
+
+
+def stub_decoder(monkeypatch, heads=16, cuda_graph=False):
+    monkeypatch.setattr(decoder_mod, "platform_of", lambda device: H200)
+    stubs = {}
+
+    def factory(name):
+        def make(spec, device, max_batch_size, cuda_graph=False):
+            stubs[name] = _StubRoute(name, name.startswith("flashinfer"))
+            return stubs[name]
+        return make
+
+    for name in ROUTES:
+        monkeypatch.setitem(ROUTES, name, type(ROUTES[name].__name__, (), {
+            "__new__": staticmethod(lambda cls, *a, _n=name, **k: factory(_n)(*a, **k)),
+            "unsupported_reason": ROUTES[name].unsupported_reason,
+            "kernel": ROUTES[name].kernel,
+        }))
+    return MLADecoder(spec(heads), "cpu", 512, cuda_graph=cuda_graph), stubs
+
+
+def batch(lens, kv_tokens=True):
+    t = torch.tensor(lens, dtype=torch.int32)
+    table = torch.zeros(len(lens), 512, dtype=torch.int32)
+    return DecodeBatch(table, t, max(lens), kv_tokens=sum(lens) if kv_tokens else None)
+
+
+def test_decoder_follows_policy_per_batch(kernels_present, monkeypatch):
+    dec, stubs = stub_decoder(monkeypatch, heads=128)
+    assert dec.route_name == "flashinfer-fa3+flashmla"
+    assert "per batch" in dec.choice.kernel
+    dec.plan(batch([8 * K] * 128))
+    assert dec.route.name == "flashinfer-fa3" and stubs["flashinfer-fa3"].plans == [(128, False)]
+    dec.plan(batch([8 * K, 2 * K] * 64))
+    assert dec.route.name == "flashmla"
+    dec.plan(batch([32 * K] * 4))
+    assert dec.route.name == "flashmla"
+    # kv_tokens missing: the decoder counts it (host tensor here, a sync on the GPU)
+    dec.plan(batch([8 * K, 2 * K] * 64, kv_tokens=False))
+    assert dec.route.name == "flashmla"
+
+
+def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):
+    dec, stubs = stub_decoder(monkeypatch, heads=16)
+    dec.plan(batch([8 * K, 2 * K] * 64))
+    dec.plan(batch([4 * K, 1 * K] * 16))
+    assert stubs["flashinfer-fa3"].plans == [(128, True), (32, False)]
+
+
+def test_cuda_graph_decoder_keeps_route_per_batch_size(kernels_present, monkeypatch):
+    dec, stubs = stub_decoder(monkeypatch, heads=128, cuda_graph=True)
+    for lens in ([8 * K] * 128, [8 * K, 2 * K] * 64, [32 * K] * 128, [1] * 128):
+        dec.plan(batch(lens))
+        assert dec.route.name == "flashinfer-fa3"
+    assert stubs["flashinfer-fa3"].plans == [(128, True)] * 4
+    assert stubs["flashmla"].plans == []
+
+
+def test_forced_route_is_the_only_route(kernels_present, monkeypatch):
+    monkeypatch.setattr(decoder_mod, "platform_of", lambda device: H200)
+    assert choose_route(spec(128), H200, forced="flashmla").name == "flashmla"

@@ -217,7 +217,7 @@ def host_overhead(device, writer) -> None:
         case = make_case(shape, seed=99, device=device)
         cache = case.caches[0]
         for route in ("flashinfer-fa3", "flashmla"):
-            k = next(x for x in plugin_kernels(case) if x.name == {"flashinfer-fa3": "fa3",
+            k = next(x for x in plugin_kernels(case) if x.name == {"flashinfer-fa3": "fa3-sorted",
                                                                   "flashmla": "flashmla"}[route])
             dec, out = k.obj, k.out
             r = dec.route

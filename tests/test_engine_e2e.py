@@ -7,6 +7,7 @@ agreement between the two is evidence, not a tautology.
 from __future__ import annotations
 
 import pytest
+
 from generation_compare import compare_generations
 
 pytestmark = pytest.mark.engine

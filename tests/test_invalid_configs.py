@@ -155,7 +155,7 @@ def test_forced_route_that_cannot_serve_is_refused(what, over, platform, route, 
 
 
 def test_unknown_route_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match="unknown decode route 'fa9'.*torch-reference"):
+    with pytest.raises(ValueError, match=r"unknown decode route 'fa9'.*torch-reference"):
         choose_route(spec(), H200, forced="fa9")
 
 

@@ -82,7 +82,7 @@ def test_sort_rule():
 
 def test_kv_tokens_only_counted_when_it_matters():
     assert not policy.wants_kv_tokens(spec(16), BatchShape(8, 1, 4 * K))
-    assert not policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 64 * K))  # long: flashmla
+    assert not policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 16 * K))  # long: flashmla
     assert policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 4 * K))
     assert policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K))
     assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K, 100))

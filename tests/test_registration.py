@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from trtllm_mla_plugin.registration import BACKEND_NAME, BACKEND_PATH  # noqa: E402
+from trtllm_mla_plugin.registration import BACKEND_NAME, BACKEND_PATH
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mla_cases import bounds, errors, make_problem, reference, route_skip_reason
 
 from trtllm_mla_plugin.ops import MLADecoder
+
+from mla_cases import bounds, errors, make_problem, reference, route_skip_reason
 
 pytestmark = [
     pytest.mark.gpu,

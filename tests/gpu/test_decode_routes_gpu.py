@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mla_cases import FP8, bounds, errors, make_problem, reference, route_skip_reason
 
 from trtllm_mla_plugin.ops import KVScales, MLADecoder
+
+from mla_cases import FP8, bounds, errors, make_problem, reference, route_skip_reason
 
 pytestmark = [
     pytest.mark.gpu,

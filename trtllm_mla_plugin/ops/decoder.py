@@ -111,10 +111,18 @@ class MLADecoder:
         self.platform = platform_of(self.device)
         default = choose_route(spec, self.platform, route)
         choices = (default,) if route is not None else route_set(spec, self.platform)
-        self.routes: dict[str, DecodeRoute] = {
-            c.name: ROUTES[c.name](spec, self.device, max_batch_size, cuda_graph=cuda_graph)
-            for c in choices
-        }
+        self.routes: dict[str, DecodeRoute] = {}
+        for c in choices:
+            try:
+                self.routes[c.name] = ROUTES[c.name](
+                    spec, self.device, max_batch_size, cuda_graph=cuda_graph
+                )
+            except Exception:
+                if c.name == default.name:
+                    raise
+                # A per-batch alternative that cannot start (e.g. a broken extension) is
+                # left out; the default route serves every batch.
+        choices = tuple(c for c in choices if c.name in self.routes)
         if len(choices) == 1:
             self.choice = default
         else:

@@ -98,8 +98,11 @@ class DecodeBatch:
 class KVScales:
     """Per-tensor FP8 scales: real value = stored value * scale.
 
-    ``q_scale`` applies when the query itself is FP8; ``k_scale`` and ``v_scale`` to the
-    latent cache (in MLA both K and V are the same latent cache, so they are usually equal).
+    Every route reads the query as ``query * q_scale`` (whatever its dtype; pass 1.0 for a
+    query in real values), the cache's score role as ``cache * k_scale`` and its value role
+    as ``cache[..., :kv_lora_rank] * v_scale`` (in MLA both roles are one latent cache, so
+    engines pass ``v_scale == k_scale``). A route that must quantise a wider query to FP8
+    stores ``query`` saturated to the FP8 range and keeps ``q_scale`` in the score scale.
     """
 
     q_scale: float = 1.0

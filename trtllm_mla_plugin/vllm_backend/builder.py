@@ -77,6 +77,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             softmax_scale=float(layer.scale),
             max_q_len=self.reorder_batch_threshold,
         )
+        self._seq_lens_host: torch.Tensor | None = None
         max_batch = vllm_config.scheduler_config.max_num_seqs
         cudagraph_mode = self.compilation_config.cudagraph_mode
         full_graphs = device.type == "cuda" and cudagraph_mode.has_full_cudagraphs()
@@ -98,6 +99,12 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             self._prefill_backend.get_name(),
         )
 
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        # vLLM's host copy of the lengths (exact outside async speculative decoding) lets the
+        # Hopper route policy see the batch's total KV tokens without a device sync.
+        self._seq_lens_host = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None)
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
     def _build_decode(
         self,
         block_table_tensor: torch.Tensor,
@@ -111,6 +118,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
     ) -> TrtllmMLADecodeMetadata:
         num_decodes = seq_lens_device.shape[0]
         single_token = num_decode_tokens == num_decodes
+        host_lens = self._seq_lens_host
         self.decoder.plan(
             DecodeBatch(
                 block_table=block_table_tensor,
@@ -119,6 +127,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
                 cu_seqlens_q=None if single_token else query_start_loc_device,
                 max_q_len=1 if single_token else max_query_len,
                 num_tokens=num_decode_tokens,
+                kv_tokens=None if host_lens is None else int(host_lens[:num_decodes].sum()),
             )
         )
         return TrtllmMLADecodeMetadata(

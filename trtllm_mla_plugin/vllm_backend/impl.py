@@ -86,5 +86,9 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         decoder = attn_metadata.decode.decoder
-        scales = KVScales(layer._q_scale_float, layer._k_scale_float, layer._v_scale_float)
+        # The query arrives in real values (supports_quant_query_input is off), and MLA's
+        # single latent cache is quantised with k_scale for both its K and V roles (as in
+        # vLLM's FlashInfer and Triton MLA backends).
+        k_scale = layer._k_scale_float
+        scales = KVScales(q_scale=1.0, k_scale=k_scale, v_scale=k_scale)
         return decoder.run(q, kv_c_and_k_pe_cache, scales=scales), None

@@ -33,8 +33,9 @@ FIRST_SEED = 1000
 WORK_BUDGET = 4_000_000  # tokens x heads x max_len x dims, roughly
 
 # Per-element bound: |out - ref| <= RTOL[out dtype] * |ref| + ATOL * max|ref|. RTOL is the
-# output rounding (unit roundoff 2**-8 or 2**-11, doubled for slack); ATOL covers the route's float32
-# arithmetic (inputs are exact in float32, the oracle reads the same stored values).
+# output rounding (unit roundoff 2**-8 for bf16, 2**-11 for fp16, doubled for slack); ATOL
+# covers the route's float32 arithmetic (inputs are exact in float32, and the oracle reads
+# the same stored values).
 RTOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 ATOL = 2e-5
 

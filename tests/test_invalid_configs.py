@@ -42,6 +42,8 @@ FEATURE_ROWS = [
     ("cross attention", dict(attn_type="encoder_decoder"), "decoder self-attention only"),
     ("decode context parallel", dict(dcp_world_size=2), "--decode-context-parallel-size 1"),
     ("KV sharing", dict(kv_sharing_target_layer_name="layers.0"), "KV sharing"),
+    ("FP8 e5m2 KV cache", dict(kv_cache_dtype="fp8_e5m2"), "--kv-cache-dtype fp8"),
+    ("int8 KV cache", dict(kv_cache_dtype="int8_per_token_head"), "not supported"),
 ]
 
 

@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default=None)
     args = parser.parse_args()
 
     # With the engine core in its own process it starts stepping while LLM.generate is
@@ -66,6 +67,8 @@ def main() -> None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_num_seqs:
         kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.kv_cache_dtype:
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.kv_cache_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
     llm = LLM(model=args.model, dtype="float32", disable_log_stats=False, **kwargs)

@@ -14,6 +14,7 @@ from vllm.v1.attention.backend import MultipleOf
 
 from ..log import get_logger
 from ..registration.names import BACKEND_NAME
+from .capabilities import SUPPORTED_KV_CACHE_DTYPES
 
 if TYPE_CHECKING:
     from .builder import TrtllmMLAMetadataBuilder
@@ -38,13 +39,7 @@ def _is_blackwell() -> bool:
 
 class TrtllmMLABackend(MLACommonBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
-        "auto",
-        "float16",
-        "bfloat16",
-        "fp8",
-        "fp8_e4m3",
-    ]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = list(SUPPORTED_KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:

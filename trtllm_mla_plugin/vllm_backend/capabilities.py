@@ -10,6 +10,9 @@ raises the same reasons there).
 
 from __future__ import annotations
 
+#: KV-cache dtypes every layer of the plugin handles (vLLM's names). FP8 means e4m3.
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
+
 
 def feature_reasons(
     *,
@@ -21,6 +24,7 @@ def feature_reasons(
     use_sparse: bool = False,
     kv_sharing_target_layer_name: str | None = None,
     dcp_world_size: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> list[str]:
     """Reasons the backend cannot serve a layer with these features (empty: it can)."""
     reasons = []
@@ -48,6 +52,11 @@ def feature_reasons(
         reasons.append(
             "decode context parallelism is not supported by TRTLLM_MLA; set "
             "--decode-context-parallel-size 1"
+        )
+    if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        reasons.append(
+            f"KV-cache dtype {kv_cache_dtype!r} is not supported by TRTLLM_MLA (supported: "
+            f"{', '.join(SUPPORTED_KV_CACHE_DTYPES)}); use --kv-cache-dtype fp8 or auto"
         )
     return reasons
 

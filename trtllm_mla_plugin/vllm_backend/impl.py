@@ -44,6 +44,7 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
                 use_sparse=mla_args.get("indexer") is not None,
                 kv_sharing_target_layer_name=kv_sharing_target_layer_name,
                 dcp_world_size=vllm_config.parallel_config.decode_context_parallel_size,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )
         super().__init__(
@@ -67,14 +68,38 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
         else:
             prefer_flashinfer_prefill(vllm_config)
 
-    def do_kv_cache_update(self, *args, **kwargs) -> None:
-        if current_platform.is_cpu():
-            # vLLM's CUDA cache-write op does not exist in the CPU build; vLLM's CPU MLA
-            # impl writes the latent cache with plain torch indexing.
-            from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+    def do_kv_cache_update(
+        self,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache_dtype: str,
+        k_scale: torch.Tensor,
+        *args,
+        **kwargs,
+    ) -> None:
+        if not current_platform.is_cpu():
+            return super().do_kv_cache_update(
+                kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
+                *args, **kwargs,
+            )
+        # vLLM's CUDA cache-write op does not exist in the CPU build; vLLM's CPU MLA impl
+        # writes the latent cache with torch indexing, but only unquantised. For FP8 the
+        # entries are quantised here (stored = value / k_scale, saturated to e4m3's range)
+        # into the byte cache viewed as float8_e4m3fn, as the CUDA op does.
+        from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
-            return CPUMLAImpl.do_kv_cache_update(self, *args, **kwargs)
-        return super().do_kv_cache_update(*args, **kwargs)
+        if kv_cache_dtype.startswith("fp8"):
+            fp8 = torch.float8_e4m3fn
+            limit = torch.finfo(fp8).max
+            inv = 1.0 / float(k_scale)
+            kv_c_normed = (kv_c_normed.float() * inv).clamp(-limit, limit)
+            k_pe = (k_pe.float() * inv).clamp(-limit, limit)
+            kv_cache = kv_cache.view(fp8)
+        return CPUMLAImpl.do_kv_cache_update(
+            self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale
+        )
 
     def forward_mqa(
         self,

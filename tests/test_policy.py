@@ -47,8 +47,13 @@ CASES = [
     (16, shape(64, 4 * K), "flashinfer-fa3"),
     (16, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),
     (16, shape(256, 4 * K, 2 * K), "flashinfer-fa3"),
-    (16, shape(64, 32 * K), "flashmla"),
+    (16, shape(64, 32 * K), "flashinfer-fa3"),  # uniform: FA3 at every measured length
+    (16, shape(64, 16 * K), "flashinfer-fa3"),
     (16, shape(64, 32 * K, 16 * K), "flashmla"),
+    (16, shape(64, 16 * K - 50, 8 * K), "flashmla"),  # ragged from 12k on
+    (16, shape(128, 12 * K, 6 * K), "flashmla"),
+    (16, shape(128, 8 * K, 4 * K), "flashinfer-fa3"),
+    (128, shape(64, 16 * K), "flashmla"),
     (32, shape(128, 8 * K, 4 * K), "flashinfer-fa3"),
     (64, shape(64, 8 * K, 4 * K), "flashmla"),
     (64, shape(64, 8 * K), "flashinfer-fa3"),
@@ -82,7 +87,8 @@ def test_sort_rule():
 
 def test_kv_tokens_only_counted_when_it_matters():
     assert not policy.wants_kv_tokens(spec(16), BatchShape(8, 1, 4 * K))
-    assert not policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 16 * K))  # long: flashmla
+    assert policy.wants_kv_tokens(spec(16), BatchShape(64, 1, 16 * K))  # ragged decides
+    assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 16 * K))  # long: flashmla
     assert policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 4 * K))
     assert policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K))
     assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K, 100))

@@ -1,16 +1,18 @@
-"""Loggers under vLLM's ``vllm`` logger, so plugin messages appear in the engine's log with
-vLLM's format and level (vLLM configures only its own logger tree)."""
+"""Logger names under vLLM's ``vllm`` logger tree, so plugin messages reach the engine's log
+with vLLM's handler, format and level (vLLM configures only its own tree). Importing this
+imports nothing from vLLM: the ops layer must run where vLLM is absent."""
 
 from __future__ import annotations
 
 import logging
 
 
-def get_logger(name: str) -> logging.Logger:
-    """Logger ``vllm.plugins.<name>``; uses vLLM's ``init_logger`` when vLLM is present."""
-    full = f"vllm.plugins.{name}"
-    try:
-        from vllm.logger import init_logger
-    except ImportError:
-        return logging.getLogger(full)
-    return init_logger(full)
+def logger_name(module: str) -> str:
+    """``vllm.plugins.<module>``."""
+    return f"vllm.plugins.{module}"
+
+
+def get_logger(module: str) -> logging.Logger:
+    """A plain logger in vLLM's tree (the vLLM glue uses ``vllm.logger.init_logger`` with
+    ``logger_name`` for vLLM's ``*_once`` methods)."""
+    return logging.getLogger(logger_name(module))

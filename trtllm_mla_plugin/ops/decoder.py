@@ -7,11 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..log import get_logger
 from . import policy
 from .platform import Platform, platform_of
 from .routes import ROUTES, DecodeRoute
 from .spec import UNIT_SCALES, DecodeBatch, DecodeSpec, KVScales
 from .validation import check_batch, check_run_inputs, check_spec
+
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -117,11 +120,13 @@ class MLADecoder:
                 self.routes[c.name] = ROUTES[c.name](
                     spec, self.device, max_batch_size, cuda_graph=cuda_graph
                 )
-            except Exception:
+            except Exception as error:
                 if c.name == default.name:
                     raise
                 # A per-batch alternative that cannot start (e.g. a broken extension) is
                 # left out; the default route serves every batch.
+                logger.warning("decode route %s left out: %s: %s; %s serves every batch",
+                               c.name, type(error).__name__, error, default.name)
         choices = tuple(c for c in choices if c.name in self.routes)
         if len(choices) == 1:
             self.choice = default

@@ -28,12 +28,16 @@ HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, FA2, REFERENCE)
 AMPERE_ADA = (FA2, REFERENCE)
 OTHER = (REFERENCE,)
 
-# Thresholds of the SM90 rule, from the H200 run of docs/benchmarks.md (2026-11-30):
-#: FlashMLA first for every batch whose longest request reaches this many tokens (measured:
-#: FA3 ahead at 8k, FlashMLA at 32k; 16k itself was not measured) ...
-FLASHMLA_LONG_SEQ = 16 * 1024
-#: ... and, with at least this many heads, for ragged batches (max / mean >= SPREAD) too.
+# Thresholds of the SM90 rule, from the H200 runs of docs/benchmarks.md (2026-11-30):
+#: With at least this many heads FlashMLA goes first for every batch whose longest request
+#: reaches FLASHMLA_LONG_SEQ tokens (h128 b64 16k/32k uniform) and for every ragged batch.
 FLASHMLA_MANY_HEADS = 64
+FLASHMLA_LONG_SEQ = 16 * 1024
+#: With fewer heads FA3 keeps uniform batches at every measured length (16k: FA3 292 us vs
+#: FlashMLA 303 us; 32k: tie) and FlashMLA takes ragged batches from this longest request
+#: on (16k ragged: 172 vs 199 us; 12k ragged b128: tie with sorted FA3; 8k: FA3 ahead).
+FLASHMLA_RAGGED_LONG_SEQ = 12 * 1024
+#: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
 #: when lengths are unknown, as under CUDA graphs); below it the sort costs more than it saves.
@@ -72,10 +76,12 @@ def wants_kv_tokens(spec: DecodeSpec, shape: BatchShape) -> bool:
     it should count it): only when the spread matters and the batch can be large."""
     if shape.max_seq_len is None or shape.kv_tokens is not None:
         return False
-    if shape.max_seq_len >= FLASHMLA_LONG_SEQ:
+    if shape.batch_size * shape.max_seq_len < KV_TOKENS_WORTH_COUNTING:
         return False
-    spread_matters = spec.num_heads >= FLASHMLA_MANY_HEADS or shape.batch_size >= FA_SORT_MIN_BATCH
-    return spread_matters and shape.batch_size * shape.max_seq_len >= KV_TOKENS_WORTH_COUNTING
+    if spec.num_heads >= FLASHMLA_MANY_HEADS:
+        return shape.max_seq_len < FLASHMLA_LONG_SEQ
+    return (shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ
+            or shape.batch_size >= FA_SORT_MIN_BATCH)
 
 
 def _ragged(shape: BatchShape) -> bool:
@@ -87,9 +93,9 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md)."""
     if shape is None or shape.max_seq_len is None:
         return False
-    if shape.max_seq_len >= FLASHMLA_LONG_SEQ:
-        return True
-    return spec.num_heads >= FLASHMLA_MANY_HEADS and _ragged(shape)
+    if spec.num_heads >= FLASHMLA_MANY_HEADS:
+        return shape.max_seq_len >= FLASHMLA_LONG_SEQ or _ragged(shape)
+    return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
 def fa_sort_by_length(spec: DecodeSpec, shape: BatchShape | None) -> bool:

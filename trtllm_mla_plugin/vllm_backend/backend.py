@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import MultipleOf
 
-from ..log import get_logger
+from ..log import logger_name
 from ..registration.names import BACKEND_NAME
 from .capabilities import SUPPORTED_KV_CACHE_DTYPES
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from .builder import TrtllmMLAMetadataBuilder
     from .impl import TrtllmMLAImpl
 
-logger = get_logger(__name__)
+logger = init_logger(logger_name(__name__))
 
 #: Block sizes TRTLLM-gen's MLA decode kernel takes (FlashInfer's contract).
 TRTLLM_GEN_BLOCK_SIZES = (32, 64)

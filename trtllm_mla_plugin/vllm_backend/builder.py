@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonDecodeMetadata,
     MLACommonMetadata,
@@ -17,10 +18,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from ..log import get_logger
+from ..log import logger_name
 from ..ops import DecodeBatch, DecodeSpec, MLADecoder
 
-logger = get_logger(__name__)
+logger = init_logger(logger_name(__name__))
 
 #: Force one decode route by name (tests, benchmarks, debugging); unset = the policy's pick.
 ROUTE_ENV_VAR = "TRTLLM_MLA_DECODE_ROUTE"

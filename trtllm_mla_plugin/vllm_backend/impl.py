@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionLayer
 
-from ..log import get_logger
+from ..log import logger_name
 from ..ops import KVScales
 from .builder import TrtllmMLAMetadata
 from .capabilities import feature_reasons, raise_if_any
 from .prefill import prefer_flashinfer_prefill
 
-logger = get_logger(__name__)
+logger = init_logger(logger_name(__name__))
 
 
 class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):

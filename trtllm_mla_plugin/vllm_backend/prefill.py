@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from ..log import get_logger
+from ..log import logger_name
 
-logger = get_logger(__name__)
+logger = init_logger(logger_name(__name__))
 
 
 def prefer_flashinfer_prefill(vllm_config: VllmConfig) -> None:

@@ -47,8 +47,8 @@ CASES = [
     (16, shape(64, 4 * K), "flashinfer-fa3"),
     (16, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),
     (16, shape(256, 4 * K, 2 * K), "flashinfer-fa3"),
-    (16, shape(64, 32 * K), "flashinfer-fa3"),  # uniform: FA3 at every measured length
-    (16, shape(64, 16 * K), "flashinfer-fa3"),
+    (16, shape(64, 32 * K), "flashmla"),  # uniform: FlashMLA from 32k on
+    (16, shape(64, 16 * K), "flashinfer-fa3"),  # ... FA3 at 16k
     (16, shape(64, 32 * K, 16 * K), "flashmla"),
     (16, shape(64, 16 * K - 50, 8 * K), "flashmla"),  # ragged from 12k on
     (16, shape(128, 12 * K, 6 * K), "flashmla"),

@@ -33,10 +33,12 @@ OTHER = (REFERENCE,)
 #: reaches FLASHMLA_LONG_SEQ tokens (h128 b64 16k/32k uniform) and for every ragged batch.
 FLASHMLA_MANY_HEADS = 64
 FLASHMLA_LONG_SEQ = 16 * 1024
-#: With fewer heads FA3 keeps uniform batches at every measured length (16k: FA3 292 us vs
-#: FlashMLA 303 us; 32k: tie) and FlashMLA takes ragged batches from this longest request
-#: on (16k ragged: 172 vs 199 us; 12k ragged b128: tie with sorted FA3; 8k: FA3 ahead).
+#: With fewer heads FlashMLA takes ragged batches from this longest request on (16k ragged:
+#: 172 vs 199 us; 12k ragged b128: tie with sorted FA3; 8k: FA3 ahead) ...
 FLASHMLA_RAGGED_LONG_SEQ = 12 * 1024
+#: ... and uniform ones only from this one (16k uniform: FA3 292 us vs FlashMLA 303 us;
+#: 32k uniform: FlashMLA 609 us vs FA3 640 us in run 5).
+FLASHMLA_UNIFORM_LONG_SEQ = 32 * 1024
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -80,6 +82,8 @@ def wants_kv_tokens(spec: DecodeSpec, shape: BatchShape) -> bool:
         return False
     if spec.num_heads >= FLASHMLA_MANY_HEADS:
         return shape.max_seq_len < FLASHMLA_LONG_SEQ
+    if shape.max_seq_len >= FLASHMLA_UNIFORM_LONG_SEQ:
+        return False
     return (shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ
             or shape.batch_size >= FA_SORT_MIN_BATCH)
 
@@ -95,6 +99,8 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
         return False
     if spec.num_heads >= FLASHMLA_MANY_HEADS:
         return shape.max_seq_len >= FLASHMLA_LONG_SEQ or _ragged(shape)
+    if shape.max_seq_len >= FLASHMLA_UNIFORM_LONG_SEQ:
+        return True
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 

@@ -61,8 +61,8 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
             kv_sharing_target_layer_name,
             **mla_args,
         )
-        # Decode queries stay in the model dtype; routes that want FP8 queries quantise
-        # them themselves with the layer's q_scale.
+        # Decode queries stay in the model dtype (real values, so forward_mqa passes
+        # q_scale 1); a route whose kernel wants an FP8 query quantises it itself.
         self.supports_quant_query_input = False
         if not current_platform.is_cuda():
             self._use_flashinfer_concat_mla_k = False

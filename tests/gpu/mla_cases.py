@@ -119,3 +119,18 @@ def bounds(p: Problem) -> tuple[float, float]:
     if p.spec.fp8_kv:
         return FP8_REL_BOUND, FP8_MAX_BOUND
     return REL_BOUND[p.spec.q_dtype], MAX_BOUND[p.spec.q_dtype]
+
+
+def capture_decode(decoder, query: torch.Tensor, cache: torch.Tensor,
+                   out: torch.Tensor) -> torch.cuda.CUDAGraph:
+    """Capture one ``decoder.run`` (already planned) in a CUDA graph, after a warm-up run on
+    a side stream (JIT, lazy allocations) as torch's graph capture requires."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decoder.run(query, cache, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(query, cache, out=out)
+    return graph

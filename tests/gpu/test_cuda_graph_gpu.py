@@ -13,7 +13,14 @@ import torch
 
 from trtllm_mla_plugin.ops import MLADecoder
 
-from mla_cases import bounds, errors, make_problem, reference, route_skip_reason
+from mla_cases import (
+    bounds,
+    capture_decode,
+    errors,
+    make_problem,
+    reference,
+    route_skip_reason,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,14 +58,7 @@ def test_graph_replay_after_replan(route: str, schedule: tuple) -> None:
     out = torch.empty(query.shape[0], 16, 512, dtype=torch.bfloat16, device=device)
 
     decoder.plan(first.batch)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        decoder.run(query, cache, out=out)  # warm-up (JIT, lazy allocations)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decoder.run(query, cache, out=out)
+    graph = capture_decode(decoder, query, cache, out)
 
     for p in steps[1:] + steps[:1]:
         cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)

@@ -23,6 +23,7 @@ from mla_cases import (
     KV_LORA_RANK,
     Problem,
     bounds,
+    capture_decode,
     errors,
     make_problem,
     reference,
@@ -317,14 +318,7 @@ def _graph_replays(route: str, q_len: int, pad_len: int, sizes: tuple[int, ...],
         query = torch.randn(b * q_len, 16, HEAD_DIM, device=device).to(BF16)
         out = _poisoned(b * q_len, 16, BF16)
         decoder.plan(batch_of(lens, table))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            decoder.run(query, cache, out=out)  # warm-up (JIT, lazy allocations)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            decoder.run(query, cache, out=out)
+        graph = capture_decode(decoder, query, cache, out)
         graphs[b] = (graph, query, out)
 
     order = [sizes[i % len(sizes)] for i in range(steps)]

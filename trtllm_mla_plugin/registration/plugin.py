@@ -33,7 +33,9 @@ def register() -> None:
     if _is_cpu_platform():
         _route_cpu_mla_through_selection(AttentionBackendEnum, register_backend)
     elif selected_by_env:
-        _select_for_mla_layers_without_explicit_backend()
+        from vllm.platforms import current_platform
+
+        install_env_selection(type(current_platform))
 
 
 def engine_distribution() -> tuple[str, str] | None:
@@ -82,12 +84,6 @@ def _route_cpu_mla_through_selection(enum, register_backend) -> None:
             continue
         cls_name = current.rsplit(".", 1)[1]
         register_backend(member, f"{CPU_ROUTING_MODULE}.{cls_name}")
-
-
-def _select_for_mla_layers_without_explicit_backend() -> None:
-    from vllm.platforms import current_platform
-
-    install_env_selection(type(current_platform))
 
 
 def install_env_selection(platform_cls: type) -> None:

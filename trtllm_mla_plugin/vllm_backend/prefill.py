@@ -19,6 +19,7 @@ def prefer_flashinfer_prefill(vllm_config: VllmConfig) -> None:
     backend asks for it. When FlashInfer's prefill cannot serve this GPU or model, vLLM's
     own automatic choice stands and the reason is logged.
     """
+    from vllm.v1.attention.backends.mla.prefill.base import MLADimensions
     from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
     from vllm.v1.attention.backends.mla.prefill.selector import (
         MLAPrefillSelectorConfig,
@@ -28,8 +29,6 @@ def prefer_flashinfer_prefill(vllm_config: VllmConfig) -> None:
     if attention.mla_prefill_backend is not None:
         return
     text_config = vllm_config.model_config.hf_text_config
-    from vllm.v1.attention.backends.mla.prefill.base import MLADimensions
-
     selector = MLAPrefillSelectorConfig(
         dtype=vllm_config.model_config.dtype,
         mla_dimensions=MLADimensions(

@@ -96,6 +96,10 @@ class _FlashInferFARoute(DecodeRoute):
     backend: ClassVar[str]
     supports_length_sort = True
 
+    @classmethod
+    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
+        return fa_unsupported_reason(spec, platform, cls.backend)
+
     def __init__(
         self,
         spec: DecodeSpec,
@@ -245,16 +249,8 @@ class FlashInferFA3Route(_FlashInferFARoute):
     kernel = "FlashInfer BatchMLAPagedAttentionWrapper (fa3)"
     backend = "fa3"
 
-    @classmethod
-    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
-        return fa_unsupported_reason(spec, platform, "fa3")
-
 
 class FlashInferFA2Route(_FlashInferFARoute):
     name = "flashinfer-fa2"
     kernel = "FlashInfer BatchMLAPagedAttentionWrapper (fa2)"
     backend = "fa2"
-
-    @classmethod
-    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
-        return fa_unsupported_reason(spec, platform, "fa2")

@@ -185,6 +185,9 @@ class _TrtllmMlaRoute(DecodeRoute):
         cuda_graph: bool = False,
     ) -> None:
         super().__init__(spec, device, max_batch_size, cuda_graph)
+        from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
+
+        self._decode = trtllm_batch_decode_with_kv_cache_mla
         self.max_tokens = max_batch_size * spec.max_q_len
         self.workspace = workspace_for(device)
         self._seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
@@ -222,8 +225,6 @@ class _TrtllmMlaRoute(DecodeRoute):
     def run(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
     ) -> torch.Tensor:
-        from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
-
         batch = self._batch
         b = batch.batch_size
         if self._query8 is not None:
@@ -246,7 +247,7 @@ class _TrtllmMlaRoute(DecodeRoute):
             scales=scales,
             counter=self.counter,
         )
-        trtllm_batch_decode_with_kv_cache_mla(**kwargs)
+        self._decode(**kwargs)
         return out
 
 

@@ -30,7 +30,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_kernels import Case, Kernel, flashmla_peer, plugin_kernels, triton_peer
+from decode_kernels import (
+    Case,
+    Kernel,
+    decoder_kernel,
+    flashmla_peer,
+    plugin_kernels,
+    triton_peer,
+)
 
 from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, mla_decode_reference
 
@@ -74,6 +81,12 @@ QUICK = [FULL[i] for i in (1, 4, 6, 8, 10, 19, 21, 23)]
 THRESHOLD = [(16, 64, 16 * K, "r", 1, BF, 64), (16, 64, 16 * K, "u", 1, BF, 64),
              (16, 128, 12 * K, "r", 1, BF, 64), (128, 64, 16 * K, "u", 1, BF, 64)]
 FA2_SHAPES = {FULL[i] for i in (3, 4, 21)}
+#: `--sweep`: launch configurations of the plugin's Triton kernel (route "triton-balanced")
+#: timed on these shapes; (block_n, num_warps, num_stages) x ctas_per_sm.
+SWEEP = [FULL[i] for i in (1, 4, 29, 30, 31)]
+SWEEP_TILES = [(64, 8, 2), (64, 8, 3), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 4),
+               (16, 4, 6)]
+SWEEP_CTAS_PER_SM = (1, 2)
 CHECK_MAX_TOKENS = 300 * K  # float32 reference on shapes up to this many KV tokens
 
 
@@ -198,6 +211,50 @@ def bench_shape(shape: tuple, idx: int, device, writer, pass_no: int, summary: l
 COPY_BPS = 4.2e12  # replaced by the measured ceiling in main()
 
 
+def sweep_triton(device, writer) -> None:
+    """Time the Triton route under each launch configuration of ``SWEEP_TILES`` x
+    ``SWEEP_CTAS_PER_SM`` (same plan, same inputs) and check each against the reference."""
+    from dataclasses import replace
+
+    from trtllm_mla_plugin.ops.kernels import balanced_mla_decode as kernel_module
+
+    for shape in SWEEP:
+        case = make_case(shape, seed=FULL.index(shape), device=device)
+        nbytes, _ = bytes_flops(case)
+        check = sum(case.lens_host) * case.q_len <= CHECK_MAX_TOKENS
+        ref = reference(case) if check else None
+        k = decoder_kernel("triton-balanced", case, "triton-balanced")
+        route = k.obj.route
+        base = route.config
+        for bn, nw, ns in SWEEP_TILES:
+            for cps in SWEEP_CTAS_PER_SM:
+                route.config = replace(base, block_n=bn, num_warps=nw, num_stages=ns,
+                                       ctas_per_sm=cps)
+                row = dict(shape=case.name, block_n=bn, num_warps=nw, num_stages=ns,
+                           ctas_per_sm=cps, us="", pct_copy="", rel_err="", status="ok")
+                try:
+                    if ref is not None:
+                        k.out.fill_(float("nan"))
+                        row["rel_err"] = f"{rel_error(k.call(case.caches[0]), ref):.2e}"
+                    us = time_graph(k.call, case)
+                    compiled = kernel_module.last_compiled
+                    ptx = compiled.asm.get("ptx", "")
+                    copies = ptx.count("cp.async.ca") + ptx.count("cp.async.cg")
+                    row["status"] = (f"ok regs={compiled.n_regs} spills={compiled.n_spills} "
+                                     f"cp.async={copies} "
+                                     f"wait_group={ptx.count('cp.async.wait_group')}")
+                    pct = 100 * nbytes / (us * 1e-6) / COPY_BPS
+                    row.update(us=f"{us:.2f}", pct_copy=f"{pct:.1f}")
+                except Exception as exc:
+                    row["status"] = f"error: {type(exc).__name__}: {str(exc)[:120]}"
+                writer.writerow(row)
+                print(f"sweep {case.name} bn{bn} w{nw} s{ns} cps{cps}: {row['us']} us "
+                      f"{row['pct_copy']}% err {row['rel_err']} {row['status'][:90]}", flush=True)
+        route.config = base
+        del case, k
+        torch.cuda.empty_cache()
+
+
 def ceilings(device) -> dict:
     import triton.testing
 
@@ -305,6 +362,10 @@ def main() -> None:
     ap.add_argument("--host", action="store_true", help="measure host-side dispatch cost")
     ap.add_argument("--threshold", action="store_true",
                     help="only the shapes around the SM90 policy's 16k threshold")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only time launch configurations of the plugin's Triton kernel")
+    ap.add_argument("--shapes", type=str, default=None,
+                    help="comma-separated indices into FULL (instead of the full grid)")
     ap.add_argument("--no-prewarm", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -322,11 +383,22 @@ def main() -> None:
                     f"{ceil['copy_GBps']:.0f}", f"{ceil['bf16_matmul_TFLOPs']:.0f}"])
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul "
           f"{ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    if args.sweep:
+        with open(args.out / "sweep.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["shape", "block_n", "num_warps",
+                                                   "num_stages", "ctas_per_sm", "us",
+                                                   "pct_copy", "rel_err", "status"])
+            writer.writeheader()
+            sweep_triton(device, writer)
+        print(f"sweep total {time.time() - t_start:.0f} s")
+        return
     fields = ["pass_no", "shape", "heads", "batch", "ctx", "lens", "q_len", "kv", "block",
               "kv_tokens", "spread", "bytes", "flops", "kernel", "status", "us", "pct_copy",
               "tflops", "rel_err"]
     summary: list = []
     shapes = THRESHOLD if args.threshold else QUICK if args.quick else FULL
+    if args.shapes:
+        shapes = [FULL[int(i)] for i in args.shapes.split(",")]
     with open(args.out / "decode.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

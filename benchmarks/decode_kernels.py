@@ -48,7 +48,7 @@ class Kernel:
     obj: object = None  # the decoder, for host-overhead measurements
 
 
-def _decoder_kernel(
+def decoder_kernel(
     name: str, case: Case, route: str | None, sort: bool | None = None
 ) -> Kernel:
     spec, device = case.spec, case.query.device
@@ -71,13 +71,14 @@ def _decoder_kernel(
 def plugin_kernels(case: Case) -> list[Kernel]:
     """The plugin's dispatch and each plugin route forced (FA3 also with sorting off, which
     is FlashInfer's wrapper as any caller would use it)."""
-    ks = [_decoder_kernel("plugin", case, None)]
+    ks = [decoder_kernel("plugin", case, None)]
     ks[0].name = f"plugin[{ks[0].obj.route.name}]"
-    ks.append(_decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))
-    ks.append(_decoder_kernel("peer:flashinfer-fa3", case, "flashinfer-fa3", sort=False))
-    ks.append(_decoder_kernel("flashmla", case, "flashmla"))
+    ks.append(decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))
+    ks.append(decoder_kernel("peer:flashinfer-fa3", case, "flashinfer-fa3", sort=False))
+    ks.append(decoder_kernel("flashmla", case, "flashmla"))
+    ks.append(decoder_kernel("triton-balanced", case, "triton-balanced"))
     if case.info.get("with_fa2"):
-        ks.append(_decoder_kernel("fa2", case, "flashinfer-fa2"))
+        ks.append(decoder_kernel("fa2", case, "flashinfer-fa2"))
     reason = ROUTES["trtllm-gen"].unsupported_reason(case.spec, platform_of(case.query.device))
     ks.append(Kernel("trtllm-gen", absent=reason or "not timed"))
     return ks

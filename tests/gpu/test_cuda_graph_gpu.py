@@ -27,7 +27,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROUTES = ["flashinfer-fa3", "flashmla", "flashinfer-fa2", "trtllm-gen", "flashinfer-cute-dsl"]
+ROUTES = ["flashinfer-fa3", "flashmla", "triton-balanced", "flashinfer-fa2", "trtllm-gen",
+          "flashinfer-cute-dsl"]
 WIDTH = 64  # blocks per block-table row, fixed as in vLLM
 
 # (id, steps of (seq_lens, q_lens)); every step has the same batch and row count.

@@ -18,7 +18,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROUTES = ["flashinfer-fa3", "flashmla", "flashinfer-fa2", "trtllm-gen", "flashinfer-cute-dsl"]
+ROUTES = ["flashinfer-fa3", "flashmla", "triton-balanced", "flashinfer-fa2", "trtllm-gen",
+          "flashinfer-cute-dsl"]
 BF16, FP16 = torch.bfloat16, torch.float16
 
 # (id, heads, block, seq_lens, q_lens (int: uniform, list: ragged), q dtype, kv dtype, scales)

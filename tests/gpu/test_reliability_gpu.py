@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ALL_ROUTES = ["flashinfer-fa3", "flashinfer-fa2", "flashmla", "trtllm-gen",
+ALL_ROUTES = ["flashinfer-fa3", "flashinfer-fa2", "flashmla", "triton-balanced", "trtllm-gen",
               "flashinfer-cute-dsl"]
 BF16, FP16 = torch.bfloat16, torch.float16
 SOFTMAX_SCALE = 1.0 / (192**0.5)
@@ -91,9 +91,11 @@ def _sweep_problem(route: str, seed: int) -> tuple[Problem, str]:
     rng = random.Random(f"{route}/{seed}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     fa = route.startswith("flashinfer")
-    block = spec_rng.choice([1, 16, 32, 64, 64, 64]) if fa else 64
+    paged_fp8 = fa or route == "triton-balanced"
+    blocks = {"flashmla": [64], "triton-balanced": [16, 32, 64, 64, 64]}
+    block = spec_rng.choice(blocks.get(route, [1, 16, 32, 64, 64, 64]))
     heads = spec_rng.choice([1, 2, 3, 4, 7, 8, 13, 16, 16, 20, 24, 32, 33, 64, 100, 127, 128])
-    kinds = ["bf16", "bf16", "fp16", "fp8"] if fa else ["bf16", "bf16", "fp16"]
+    kinds = ["bf16", "bf16", "fp16", "fp8"] if paged_fp8 else ["bf16", "bf16", "fp16"]
     kind = spec_rng.choice(kinds)
     spec_q = spec_rng.choice([1, 1, 2, 3, 4, 5])
     dtype = FP16 if kind == "fp16" else BF16
@@ -153,7 +155,8 @@ def _sweep_seeds() -> list[int]:
     return [int(s) for s in forced.split(",")] if forced else list(range(4 * SWEEP_CONFIGS))
 
 
-@pytest.mark.parametrize("route", ["flashinfer-fa3", "flashinfer-fa2", "flashmla"])
+@pytest.mark.parametrize("route", ["flashinfer-fa3", "flashinfer-fa2", "flashmla",
+                                   "triton-balanced"])
 def test_randomized_sweep(route: str) -> None:
     device = torch.device("cuda")
     _skip_unless_eligible(route, _spec())

@@ -6,6 +6,7 @@ from .base import DecodeRoute
 from .flashinfer_mla import FlashInferFA2Route, FlashInferFA3Route
 from .flashmla import FlashMLARoute
 from .torch_reference import TorchReferenceRoute
+from .triton_balanced import TritonBalancedRoute
 from .trtllm_gen import CuteDslRoute, TrtllmGenRoute
 
 ROUTES: dict[str, type[DecodeRoute]] = {
@@ -15,6 +16,7 @@ ROUTES: dict[str, type[DecodeRoute]] = {
         CuteDslRoute,
         FlashInferFA3Route,
         FlashMLARoute,
+        TritonBalancedRoute,
         FlashInferFA2Route,
         TorchReferenceRoute,
     )

@@ -1,0 +1,1 @@
+"""Kernels written for this plugin (imported lazily by the routes that launch them)."""

@@ -1,0 +1,182 @@
+"""The plugin's own decode kernel (``ops.kernels.balanced_mla_decode``, Triton): KV pages
+split evenly over a fixed number of CTAs whatever the lengths, for ragged batches and FP8
+caches, where the library kernels on SM90 fall short (docs/benchmarks.md).
+
+Eligibility: CUDA SM80+ with Triton; power-of-two latent and RoPE widths (Triton tiles);
+bf16/fp16 queries with a cache of the same dtype or FP8 e4m3; up to 16 query tokens per
+request. Which batches it serves is ``ops.policy``'s call (SM90 only, from measurements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..platform import Platform
+from ..spec import DecodeBatch, DecodeSpec, KVScales
+from .base import DecodeRoute, module_available
+
+MAX_Q_LEN = 16
+#: Rows (heads x query tokens) one CTA multiplies at once; bounds the fp32 accumulator
+#: (rows x kv_lora_rank) held in registers.
+MAX_TILE_ROWS = 64
+#: Budget for the split-KV scratch (partial outputs); the CTA count shrinks to fit it.
+MAX_SCRATCH_BYTES = 256 * 1024**2
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Kernel tile and grid choices (measured on the H200, docs/benchmarks.md).
+
+    Attributes:
+        ctas_per_sm: CTAs the pages are spread over, per SM (one wave when they fit).
+        block_n: KV tokens per inner-loop tile (divides the page size).
+        num_warps: warps per CTA.
+        num_stages: software-pipeline depth of the KV tile loads.
+    """
+
+    ctas_per_sm: int = 2
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(spec: DecodeSpec) -> LaunchConfig:
+    rows = tile_heads(spec) * padded_q_len(spec)
+    return LaunchConfig(num_warps=4 if rows <= 16 else 8,
+                        block_n=min(32, spec.block_size))
+
+
+def padded_q_len(spec: DecodeSpec) -> int:
+    return 1 << (spec.max_q_len - 1).bit_length()
+
+
+def tile_heads(spec: DecodeSpec) -> int:
+    """Heads per CTA: as many as fit ``MAX_TILE_ROWS`` rows, at least 16 rows (tl.dot)."""
+    q = padded_q_len(spec)
+    heads = 1 << (spec.num_heads - 1).bit_length()
+    return max(min(heads, MAX_TILE_ROWS // q), max(1, 16 // q))
+
+
+class TritonBalancedRoute(DecodeRoute):
+    name = "triton-balanced"
+    kernel = "trtllm_mla_plugin page-balanced split-KV decode (Triton)"
+
+    @classmethod
+    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
+        if platform.kind != "cuda" or platform.capability is None:
+            return f"the Triton decode kernel needs a CUDA GPU; this is {platform.describe()}"
+        if platform.capability < (8, 0):
+            return f"the Triton decode kernel needs SM80 or newer; this is {platform.describe()}"
+        if not module_available("triton"):
+            return "triton is not installed (it comes with torch on Linux: pip install triton)"
+        if not (_power_of_two(spec.kv_lora_rank) and 64 <= spec.kv_lora_rank <= 512):
+            return (f"kv_lora_rank={spec.kv_lora_rank}: the Triton kernel needs a power of two "
+                    "in [64, 512]")
+        if not (_power_of_two(spec.rope_dim) and spec.rope_dim >= 16):
+            return f"rope_dim={spec.rope_dim}: the Triton kernel needs a power of two >= 16"
+        if not (_power_of_two(spec.block_size) and spec.block_size >= 16):
+            return f"block size {spec.block_size}: the Triton kernel needs a power of two >= 16"
+        if spec.q_dtype not in (torch.bfloat16, torch.float16):
+            return f"the Triton kernel takes bfloat16/float16 queries, got {spec.q_dtype}"
+        if spec.kv_dtype not in (spec.q_dtype, torch.float8_e4m3fn):
+            return (f"the Triton kernel reads a {spec.q_dtype} or FP8 e4m3 cache, "
+                    f"got {spec.kv_dtype}")
+        if spec.max_q_len > MAX_Q_LEN:
+            return f"max_q_len={spec.max_q_len}: the Triton kernel takes up to {MAX_Q_LEN}"
+        return None
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        device: torch.device,
+        max_batch_size: int,
+        cuda_graph: bool = False,
+    ) -> None:
+        super().__init__(spec, device, max_batch_size, cuda_graph)
+        from ..kernels import balanced_mla_decode as kernels
+
+        self._kernels = kernels
+        self.config = default_config(spec)
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+        n = max_batch_size
+        i32 = {"dtype": torch.int32, "device": device}
+        self._uniform_cu = torch.arange(n + 1, **i32)
+        #: [batch + 1] query-row offsets and KV-page prefix sums of the planned batch;
+        #: persistent so a captured launch reads each step's values.
+        self._cu_q = torch.zeros(n + 1, **i32)
+        self._page_start = torch.zeros(n + 1, **i32)
+        self._seq_lens = torch.zeros(n, **i32)
+        self._block_table: torch.Tensor | None = None
+        self._part_out = torch.empty(0, dtype=torch.float32, device=device)
+        self._part_lse = torch.empty(0, dtype=torch.float32, device=device)
+        self._batch: DecodeBatch | None = None
+
+    @property
+    def num_ctas(self) -> int:
+        spec = self.spec
+        per_cta = 2 * padded_q_len(spec) * spec.num_heads * (spec.kv_lora_rank + 1) * 4
+        return max(1, min(self._sms * self.config.ctas_per_sm, MAX_SCRATCH_BYTES // per_cta))
+
+    def _scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial outputs ``[num_ctas * 2 * q * heads * Dc]`` and their LSEs (fp32)."""
+        rows = self.num_ctas * 2 * padded_q_len(self.spec) * self.spec.num_heads
+        if self._part_lse.numel() < rows:
+            self._part_out = torch.empty(rows * self.spec.kv_lora_rank, dtype=torch.float32,
+                                         device=self.device)
+            self._part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
+        return self._part_out, self._part_lse
+
+    def plan(self, batch: DecodeBatch) -> None:
+        b, page = batch.batch_size, self.spec.block_size
+        seq_lens, block_table = batch.seq_lens, batch.block_table
+        if self.cuda_graph:
+            width = block_table.shape[1]
+            if self._block_table is None or self._block_table.shape[1] < width:
+                self._block_table = torch.zeros(self.max_batch_size, width, dtype=torch.int32,
+                                                device=self.device)
+            self._block_table[:b, :width].copy_(block_table, non_blocking=True)
+            self._seq_lens[:b].copy_(seq_lens, non_blocking=True)
+            block_table, seq_lens = self._block_table[:b], self._seq_lens[:b]
+        if batch.uniform_q_len:
+            torch.mul(self._uniform_cu[: b + 1], batch.max_q_len, out=self._cu_q[: b + 1])
+        else:
+            self._cu_q[: b + 1].copy_(batch.cu_seqlens_q, non_blocking=True)
+        pages = (seq_lens + (page - 1)) // page
+        torch.cumsum(pages, 0, dtype=torch.int32, out=self._page_start[1 : b + 1])
+        self._planned = (block_table.to(torch.int32), seq_lens.to(torch.int32))
+        self._scratch()
+        self._batch = batch
+
+    def run(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+    ) -> torch.Tensor:
+        spec, config = self.spec, self.config
+        if not spec.fp8_kv and not scales.is_unit:
+            raise ValueError(
+                "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
+                f"{spec.kv_dtype} cache"
+            )
+        b = self._batch.batch_size
+        block_table, seq_lens = self._planned
+        part_out, part_lse = self._scratch()
+        return self._kernels.balanced_mla_decode(
+            query, kv_cache, block_table, seq_lens,
+            self._cu_q[: b + 1], self._page_start[: b + 1], out, part_out, part_lse,
+            kv_lora_rank=spec.kv_lora_rank,
+            max_q_len=padded_q_len(spec),
+            block_h=tile_heads(spec),
+            num_ctas=self.num_ctas,
+            search_steps=self.max_batch_size.bit_length() + 1,
+            softmax_scale=spec.softmax_scale * scales.q_scale,
+            k_scale=scales.k_scale,
+            v_scale=scales.v_scale,
+            block_n=config.block_n,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )

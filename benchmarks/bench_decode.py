@@ -74,6 +74,9 @@ FULL = [
     # speculative decode
     (16, 64, 4 * K, "r", 2, BF, 64), (16, 64, 4 * K, "r", 4, BF, 64),
     (16, 128, 8 * K, "u", 4, BF, 64), (128, 64, 4 * K, "u", 2, BF, 64),
+    # FP8 cache, more head counts and speculative decode (added with the Triton route)
+    (32, 64, 4 * K, "r", 1, F8, 64), (64, 64, 8 * K, "r", 1, F8, 64),
+    (16, 64, 4 * K, "r", 2, F8, 64),
 ]
 QUICK = [FULL[i] for i in (1, 4, 6, 8, 10, 19, 21, 23)]
 #: The SM90 policy's FlashMLA threshold (16k) sits between measured 8k and 32k shapes;
@@ -83,9 +86,8 @@ THRESHOLD = [(16, 64, 16 * K, "r", 1, BF, 64), (16, 64, 16 * K, "u", 1, BF, 64),
 FA2_SHAPES = {FULL[i] for i in (3, 4, 21)}
 #: `--sweep`: launch configurations of the plugin's Triton kernel (route "triton-balanced")
 #: timed on these shapes; (block_n, num_warps, num_stages) x ctas_per_sm.
-SWEEP = [FULL[i] for i in (1, 4, 29, 30, 31)]
-SWEEP_TILES = [(64, 8, 2), (64, 8, 3), (64, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 4),
-               (16, 4, 6)]
+SWEEP = [FULL[i] for i in (1, 4, 29, 30, 31, 36)]
+SWEEP_TILES = [(32, 4, 3), (32, 4, 4), (64, 8, 2), (32, 8, 3), (64, 4, 2), (16, 4, 4)]
 SWEEP_CTAS_PER_SM = (1, 2)
 CHECK_MAX_TOKENS = 300 * K  # float32 reference on shapes up to this many KV tokens
 

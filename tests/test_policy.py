@@ -32,7 +32,7 @@ def spec(heads=16, block=64, kv=BF16, q_len=1):
 
 @pytest.fixture
 def kernels_present(monkeypatch):
-    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla"):
+    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla", "triton_balanced"):
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: True)
 
@@ -76,6 +76,27 @@ def test_fp8_and_block32_never_take_flashmla(kernels_present):
     assert choose_route(spec(128, block=32), H200, shape=long_ragged).name == "flashinfer-fa3"
 
 
+@pytest.mark.parametrize("heads", [1, 16, 20, 32])
+def test_fp8_with_few_heads_takes_the_triton_kernel(kernels_present, heads):
+    for batch in (shape(64, 4 * K, 2 * K), shape(1, 8 * K), shape(128, 32 * K, 8 * K),
+                  BatchShape(64, 1), None):
+        assert choose_route(spec(heads, kv=FP8), H200, shape=batch).name == "triton-balanced"
+    assert policy.rankings(spec(heads, kv=FP8), H200) == (policy.HOPPER_FP8_FEW_HEADS,)
+    # bf16 caches never take it (FA3 / FlashMLA were faster at every measured shape)
+    assert choose_route(spec(heads), H200, shape=shape(64, 4 * K, 2 * K)).name != (
+        "triton-balanced")
+
+
+def test_fp8_with_many_heads_stays_on_fa3(kernels_present):
+    assert choose_route(spec(64, kv=FP8), H200, shape=shape(64, 8 * K, 4 * K)).name == (
+        "flashinfer-fa3")
+
+
+def test_triton_kernel_is_not_ranked_off_hopper(kernels_present):
+    assert "triton-balanced" not in policy.rank(spec(16, kv=FP8), B200)
+    assert "triton-balanced" not in policy.rank(spec(16), Platform("cuda", (8, 0), "A100"))
+
+
 def test_sort_rule():
     s = spec()
     assert not policy.fa_sort_by_length(s, shape(64, 4 * K, 2 * K))
@@ -96,8 +117,10 @@ def test_kv_tokens_only_counted_when_it_matters():
 
 def test_every_ranking_is_listed():
     for heads in (16, 128):
-        for batch in [c[1] for c in CASES] + [None]:
-            assert policy.rank(spec(heads), H200, batch) in policy.rankings(spec(heads), H200)
+        for kv in (BF16, FP8):
+            s = spec(heads, kv=kv)
+            for batch in [c[1] for c in CASES] + [None]:
+                assert policy.rank(s, H200, batch) in policy.rankings(s, H200)
     assert policy.rankings(spec(), B200) == (policy.BLACKWELL,)
 
 

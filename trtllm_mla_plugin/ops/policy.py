@@ -4,8 +4,9 @@ Eligibility (what a route *can* serve) lives with each route; this module only o
 The evidence for each order and threshold is in docs/benchmarks.md ("Route policy").
 
 On SM90 the order may depend on the step's batch (``BatchShape``): FlashMLA overtakes
-FlashInfer FA3 on large batches whose KV lengths are long and spread out. Everything else
-ranks per ``DecodeSpec`` alone.
+FlashInfer FA3 on large batches whose KV lengths are long and spread out. FP8 caches with
+few heads go to the plugin's own Triton kernel. Everything else ranks per ``DecodeSpec``
+alone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .spec import DecodeSpec
 
 REFERENCE = "torch-reference"
 FA3, FLASHMLA, FA2 = "flashinfer-fa3", "flashmla", "flashinfer-fa2"
+TRITON = "triton-balanced"
 
 # SM100/SM103: TRTLLM-gen is the kernel the plugin exists for; FlashInfer's CuTe DSL MLA
 # kernel takes head counts TRTLLM-gen cannot tile.
@@ -25,10 +27,17 @@ BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 # batches of ``hopper_prefers_flashmla``.
 HOPPER = (FA3, FLASHMLA, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, FA2, REFERENCE)
+# SM90, FP8 cache and at most TRITON_FP8_MAX_HEADS heads: FlashInfer FA3 reads FP8 at
+# 9-15% of the copy ceiling, slower than its own bf16 path; the plugin's page-balanced
+# Triton kernel is about twice as fast there (FlashMLA's dense decode takes no FP8 cache).
+HOPPER_FP8_FEW_HEADS = (TRITON, FA3, FA2, REFERENCE)
 AMPERE_ADA = (FA2, REFERENCE)
 OTHER = (REFERENCE,)
 
 # Thresholds of the SM90 rule, from the H200 runs of docs/benchmarks.md (2026-11-30):
+#: FP8 caches up to this many heads take the Triton kernel (16 and 32 measured faster than
+#: FA3; at 128 FA3 is faster).
+TRITON_FP8_MAX_HEADS = 32
 #: With at least this many heads FlashMLA goes first for every batch whose longest request
 #: reaches FLASHMLA_LONG_SEQ tokens (h128 b64 16k/32k uniform) and for every ragged batch.
 FLASHMLA_MANY_HEADS = 64
@@ -104,6 +113,12 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
+def hopper_prefers_triton(spec: DecodeSpec) -> bool:
+    """The SM90 FP8 rule: the Triton kernel first for FP8 caches with few heads, for every
+    batch (so CUDA-graph decoders, which rank without lengths, follow it too)."""
+    return spec.fp8_kv and spec.num_heads <= TRITON_FP8_MAX_HEADS
+
+
 def fa_sort_by_length(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """Whether FlashInfer FA routes plan this batch's requests longest first (lever (a) of
     docs/benchmarks.md): large batches only, and only ragged ones when lengths are known."""
@@ -129,6 +144,8 @@ def rank(
     if platform.capability in ((10, 0), (10, 3)):
         return BLACKWELL
     if major == 9:
+        if hopper_prefers_triton(spec):
+            return HOPPER_FP8_FEW_HEADS
         return HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
     if platform.capability >= (8, 0):
         return AMPERE_ADA
@@ -139,5 +156,7 @@ def rankings(spec: DecodeSpec, platform: Platform) -> tuple[tuple[str, ...], ...
     """Every ranking ``rank`` can return for ``spec`` on ``platform`` over all batches
     (a decoder builds the first eligible route of each)."""
     if platform.kind == "cuda" and platform.capability and platform.capability[0] == 9:
+        if hopper_prefers_triton(spec):
+            return (HOPPER_FP8_FEW_HEADS,)
         return (HOPPER, HOPPER_FLASHMLA_FIRST)
     return (rank(spec, platform),)

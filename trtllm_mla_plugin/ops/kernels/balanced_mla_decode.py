@@ -63,8 +63,7 @@ def _balanced_decode_kernel(
     rows = tl.arange(0, ROWS)
     row_t = rows // BLOCK_H
     row_h = head_tile * BLOCK_H + rows % BLOCK_H
-    DS: tl.constexpr = DC // 4
-    offs_s = tl.arange(0, DS)
+    offs_c = tl.arange(0, DC)
     offs_r = tl.arange(0, DR)
     offs_n = tl.arange(0, BLOCK_N)
 
@@ -84,24 +83,15 @@ def _balanced_decode_kernel(
         tok_hi = tl.minimum((seg_p1 - req_p0) * PAGE, seq_len)
 
         row_ok = (row_t < q_len) & (row_h < num_heads)
-        q_rows = q_ptr + (q0 + row_t).to(tl.int64) * stride_q_row + row_h * stride_q_head
-        # The latent width in four slices: Triton stages a dot's operand in registers, and
-        # a whole [BLOCK_N, 512] tile (plus the query and accumulator) spills.
-        q_0 = tl.load(q_rows[:, None] + offs_s[None, :], mask=row_ok[:, None], other=0.0)
-        q_1 = tl.load(q_rows[:, None] + DS + offs_s[None, :], mask=row_ok[:, None], other=0.0)
-        q_2 = tl.load(q_rows[:, None] + 2 * DS + offs_s[None, :], mask=row_ok[:, None],
+        q_rows = (q0 + row_t).to(tl.int64) * stride_q_row + row_h * stride_q_head
+        q_c = tl.load(q_ptr + q_rows[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q_r = tl.load(q_ptr + q_rows[:, None] + DC + offs_r[None, :], mask=row_ok[:, None],
                       other=0.0)
-        q_3 = tl.load(q_rows[:, None] + 3 * DS + offs_s[None, :], mask=row_ok[:, None],
-                      other=0.0)
-        q_r = tl.load(q_rows[:, None] + DC + offs_r[None, :], mask=row_ok[:, None], other=0.0)
         visible = seq_len - q_len + row_t + 1
 
         m_i = tl.full([ROWS], -1.0e30, tl.float32)
         l_i = tl.zeros([ROWS], tl.float32)
-        acc_0 = tl.zeros([ROWS, DS], tl.float32)
-        acc_1 = tl.zeros([ROWS, DS], tl.float32)
-        acc_2 = tl.zeros([ROWS, DS], tl.float32)
-        acc_3 = tl.zeros([ROWS, DS], tl.float32)
+        acc = tl.zeros([ROWS, DC], tl.float32)
         bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
         for start in range(tok_lo, tok_hi, BLOCK_N):
             block = tl.load(bt_row + start // PAGE).to(tl.int64)
@@ -109,54 +99,36 @@ def _balanced_decode_kernel(
             in_page = (start % PAGE) + offs_n
             kv_rows = kv_ptr + block * stride_kv_block + in_page.to(tl.int64) * stride_kv_token
             tok_ok = tokens < tok_hi
-            kv = kv_rows[:, None] + offs_s[None, :]
-            k_0 = tl.load(kv, mask=tok_ok[:, None], other=0.0).to(q_0.dtype)
-            k_1 = tl.load(kv + DS, mask=tok_ok[:, None], other=0.0).to(q_0.dtype)
-            k_2 = tl.load(kv + 2 * DS, mask=tok_ok[:, None], other=0.0).to(q_0.dtype)
-            k_3 = tl.load(kv + 3 * DS, mask=tok_ok[:, None], other=0.0).to(q_0.dtype)
+            k_c = tl.load(kv_rows[:, None] + offs_c[None, :], mask=tok_ok[:, None], other=0.0)
             k_r = tl.load(kv_rows[:, None] + DC + offs_r[None, :], mask=tok_ok[:, None],
-                          other=0.0).to(q_0.dtype)
-            s = tl.dot(q_r, tl.trans(k_r))
-            s = tl.dot(q_0, tl.trans(k_0), s)
-            s = tl.dot(q_1, tl.trans(k_1), s)
-            s = tl.dot(q_2, tl.trans(k_2), s)
-            s = tl.dot(q_3, tl.trans(k_3), s)
+                          other=0.0)
+            k_c = k_c.to(q_c.dtype)
+            k_r = k_r.to(q_c.dtype)
+            s = tl.dot(q_c, tl.trans(k_c)) + tl.dot(q_r, tl.trans(k_r))
             s = s * qk_scale_log2
             s = tl.where(tokens[None, :] < visible[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             prob = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(prob, 1)
-            prob = prob.to(q_0.dtype)
-            acc_0 = tl.dot(prob, k_0, acc_0 * alpha[:, None])
-            acc_1 = tl.dot(prob, k_1, acc_1 * alpha[:, None])
-            acc_2 = tl.dot(prob, k_2, acc_2 * alpha[:, None])
-            acc_3 = tl.dot(prob, k_3, acc_3 * alpha[:, None])
+            acc = acc * alpha[:, None] + tl.dot(prob.to(k_c.dtype), k_c)
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        inv_l = 1.0 / l_safe[:, None]
+        o = acc / l_safe[:, None]
         whole = (p == req_p0) & (seg_p1 == req_p1)
         if whole:
             out_rows = (q0 + row_t).to(tl.int64) * stride_out_row + row_h * stride_out_head
-            dst = out_ptr + out_rows[:, None] + offs_s[None, :]
-            o_scale = inv_l * v_scale
-            ty = out_ptr.dtype.element_ty
-            tl.store(dst, (acc_0 * o_scale).to(ty), mask=row_ok[:, None])
-            tl.store(dst + DS, (acc_1 * o_scale).to(ty), mask=row_ok[:, None])
-            tl.store(dst + 2 * DS, (acc_2 * o_scale).to(ty), mask=row_ok[:, None])
-            tl.store(dst + 3 * DS, (acc_3 * o_scale).to(ty), mask=row_ok[:, None])
+            tl.store(out_ptr + out_rows[:, None] + offs_c[None, :],
+                     (o * v_scale).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
             # Slot 0: the request this CTA's range starts in; slot 1: the one it ends in.
             slot = tl.where(p == p_begin, 0, 1)
             part = ((cta * 2 + slot) * MAX_Q + row_t).to(tl.int64) * num_heads + row_h
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
-            dst = part_out_ptr + part[:, None] * DC + offs_s[None, :]
-            tl.store(dst, acc_0 * inv_l, mask=row_ok[:, None])
-            tl.store(dst + DS, acc_1 * inv_l, mask=row_ok[:, None])
-            tl.store(dst + 2 * DS, acc_2 * inv_l, mask=row_ok[:, None])
-            tl.store(dst + 3 * DS, acc_3 * inv_l, mask=row_ok[:, None])
+            tl.store(part_out_ptr + part[:, None] * DC + offs_c[None, :], o,
+                     mask=row_ok[:, None])
         p = seg_p1
         req += 1
 

@@ -27,17 +27,20 @@ def spec(heads=16, block=64, q=BF16, kv=BF16, max_q_len=1, dims=(512, 64)):
     return DecodeSpec(heads, dims[0], dims[1], block, q, kv, 0.1, max_q_len)
 
 
+ROUTE_MODULES = ("trtllm_gen", "flashinfer_mla", "flashmla", "triton_balanced")
+
+
 @pytest.fixture
 def flashinfer_present(monkeypatch):
     """Pretend flashinfer (and nothing else optional) is importable."""
-    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla"):
+    for mod in ROUTE_MODULES:
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: name == "flashinfer")
 
 
 @pytest.fixture
 def nothing_installed(monkeypatch):
-    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla"):
+    for mod in ROUTE_MODULES:
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: False)
 
@@ -62,7 +65,20 @@ def test_blackwell_block16_falls_to_fa2(flashinfer_present):
 
 def test_hopper_takes_fa3(flashinfer_present):
     assert choose_route(spec(), H200).name == "flashinfer-fa3"
-    assert choose_route(spec(kv=FP8), H200).name == "flashinfer-fa3"
+    # FP8 with few heads prefers the Triton kernel; without triton, FA3 serves it
+    choice = choose_route(spec(kv=FP8), H200)
+    assert choice.name == "flashinfer-fa3"
+    assert choice.skipped[0][0] == "triton-balanced" and "triton" in choice.skipped[0][1]
+    assert choose_route(spec(heads=128, kv=FP8), H200).name == "flashinfer-fa3"
+
+
+def test_hopper_fp8_few_heads_takes_triton(monkeypatch):
+    for mod in ROUTE_MODULES:
+        monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
+                            lambda name: name in ("flashinfer", "triton"))
+    assert choose_route(spec(kv=FP8), H200).name == "triton-balanced"
+    assert choose_route(spec(heads=32, kv=FP8, max_q_len=2), H200).name == "triton-balanced"
+    assert choose_route(spec(), H200).name == "flashinfer-fa3"
 
 
 def test_hopper_causal_tile_hazard_skips_fa(flashinfer_present):

@@ -77,7 +77,8 @@ FULL = [
     # FP8 cache, more head counts and speculative decode (added with the Triton route)
     (32, 64, 4 * K, "r", 1, F8, 64), (64, 64, 8 * K, "r", 1, F8, 64),
     (16, 64, 4 * K, "r", 2, F8, 64), (16, 1, 8 * K, "u", 1, F8, 64),
-    (32, 128, 8 * K, "r", 1, F8, 64),
+    (32, 128, 8 * K, "r", 1, F8, 64), (16, 8, 8 * K, "u", 1, F8, 64),
+    (16, 16, 4 * K, "r", 1, F8, 64), (16, 32, 4 * K, "r", 1, F8, 64),
 ]
 QUICK = [FULL[i] for i in (1, 4, 6, 8, 10, 19, 21, 23)]
 #: The SM90 policy's FlashMLA threshold (16k) sits between measured 8k and 32k shapes;

@@ -15,6 +15,7 @@ from trtllm_mla_plugin.ops import (
     mla_decode_reference,
 )
 from trtllm_mla_plugin.ops.platform import CPU
+from trtllm_mla_plugin.ops.policy import BatchShape
 from trtllm_mla_plugin.ops.routes.flashinfer_mla import fa_causal_tiles_safe
 
 B200 = Platform("cuda", (10, 0), "NVIDIA B200")
@@ -65,8 +66,8 @@ def test_blackwell_block16_falls_to_fa2(flashinfer_present):
 
 def test_hopper_takes_fa3(flashinfer_present):
     assert choose_route(spec(), H200).name == "flashinfer-fa3"
-    # FP8 with few heads prefers the Triton kernel; without triton, FA3 serves it
-    choice = choose_route(spec(kv=FP8), H200)
+    # FP8 with few heads prefers the Triton kernel on large batches; without triton, FA3
+    choice = choose_route(spec(kv=FP8), H200, shape=BatchShape(64, 1))
     assert choice.name == "flashinfer-fa3"
     assert choice.skipped[0][0] == "triton-balanced" and "triton" in choice.skipped[0][1]
     assert choose_route(spec(heads=128, kv=FP8), H200).name == "flashinfer-fa3"
@@ -76,9 +77,10 @@ def test_hopper_fp8_few_heads_takes_triton(monkeypatch):
     for mod in ROUTE_MODULES:
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: name in ("flashinfer", "triton"))
-    assert choose_route(spec(kv=FP8), H200).name == "triton-balanced"
-    assert choose_route(spec(heads=32, kv=FP8, max_q_len=2), H200).name == "triton-balanced"
-    assert choose_route(spec(), H200).name == "flashinfer-fa3"
+    big = BatchShape(64, 1, 4096, 64 * 2048)
+    assert choose_route(spec(kv=FP8), H200, shape=big).name == "triton-balanced"
+    assert choose_route(spec(kv=FP8), H200).name == "flashinfer-fa3"  # default: no batch yet
+    assert choose_route(spec(), H200, shape=big).name == "flashinfer-fa3"
 
 
 def test_hopper_causal_tile_hazard_skips_fa(flashinfer_present):

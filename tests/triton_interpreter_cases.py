@@ -18,7 +18,8 @@ DC, DR, SCALE = 64, 16, 0.3
 FP8 = torch.float8_e4m3fn
 
 
-def run_case(lens, q_lens, heads, page, num_ctas, kv_dtype, k_scale=1.0, v_scale=1.0):
+def run_case(lens, q_lens, heads, page, num_ctas, kv_dtype, k_scale=1.0, v_scale=1.0,
+             min_pages=1):
     """``q_lens``: int (every request) or list; query rows grouped per request."""
     gen = torch.Generator().manual_seed(len(lens) * 1000 + heads * 10 + page)
     b = len(lens)
@@ -46,7 +47,7 @@ def run_case(lens, q_lens, heads, page, num_ctas, kv_dtype, k_scale=1.0, v_scale
     part_lse = torch.full((num_ctas * 2 * max_q * heads,), float("nan"))
     balanced_mla_decode(query, kv, table, lens_t, cu, page_start, out, part_out, part_lse,
                         kv_lora_rank=DC, max_q_len=max_q, block_h=block_h, num_ctas=num_ctas,
-                        search_steps=b.bit_length() + 1, softmax_scale=SCALE,
+                        min_pages=min_pages, search_steps=b.bit_length() + 1, softmax_scale=SCALE,
                         k_scale=k_scale, v_scale=v_scale, block_n=16)
     from trtllm_mla_plugin.ops import KVScales
 
@@ -67,6 +68,8 @@ CASES = [
     ([200], 2, 16, 16, 3, torch.float32, 1.0, 1.0),  # one request over all CTAs
     ([33, 0, 20, 0], 1, 16, 16, 3, torch.float32, 1.0, 1.0),  # empty (padding) requests
     ([90, 17], 1, 16, 16, 4, FP8, 0.5, 0.25),  # FP8 cache with k != v scales
+    ([300, 20, 5], 2, 16, 16, 16, torch.float32, 1.0, 1.0, 3),  # fewer active CTAs
+    ([16], 1, 16, 16, 16, torch.float32, 1.0, 1.0, 4),  # one page, one active CTA
 ]
 
 if __name__ == "__main__":

@@ -206,7 +206,7 @@ def test_randomized_sweep(route: str) -> None:
           f"{refused} refused by eligibility, {len(failures)} failed; {summary}")
     assert not failures, f"{len(failures)} failures of {route}:\n" + "\n".join(failures[:25])
     if "MLA_GPU_SWEEP_SEEDS" not in os.environ:
-        assert ran >= 500, f"only {ran} configurations ran ({refused} refused)"
+        assert ran >= min(500, configs), f"only {ran} configurations ran ({refused} refused)"
 
 
 # ---- caches of more than 2**31 and 2**32 elements --------------------------------------------

@@ -27,17 +27,22 @@ BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 # batches of ``hopper_prefers_flashmla``.
 HOPPER = (FA3, FLASHMLA, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, FA2, REFERENCE)
-# SM90, FP8 cache and at most TRITON_FP8_MAX_HEADS heads: FlashInfer FA3 reads FP8 at
-# 9-15% of the copy ceiling, slower than its own bf16 path; the plugin's page-balanced
-# Triton kernel is about twice as fast there (FlashMLA's dense decode takes no FP8 cache).
+# SM90, FP8 cache, few heads, one query token, batches of TRITON_FP8_MIN_BATCH or more:
+# FlashInfer FA3 reads FP8 at 9-15% of the copy ceiling, slower than its own bf16 path; the
+# plugin's page-balanced Triton kernel is 1.3-2x faster there (FlashMLA's dense decode
+# takes no FP8 cache).
 HOPPER_FP8_FEW_HEADS = (TRITON, FA3, FA2, REFERENCE)
 AMPERE_ADA = (FA2, REFERENCE)
 OTHER = (REFERENCE,)
 
 # Thresholds of the SM90 rule, from the H200 runs of docs/benchmarks.md (2026-11-30):
-#: FP8 caches up to this many heads take the Triton kernel (16 and 32 measured faster than
-#: FA3; at 128 FA3 is faster).
-TRITON_FP8_MAX_HEADS = 32
+#: FP8 caches up to this many heads take the Triton kernel (16: 1.3-2.1x faster than FA3;
+#: 32: +7% at b64 but -13% against length-sorted FA3 at b128; 64 and 128: FA3 faster) ...
+TRITON_FP8_MAX_HEADS = 16
+#: ... from this batch size on (b1: FA3 48 us, the Triton kernel far slower) ...
+TRITON_FP8_MIN_BATCH = 32
+#: ... with one query token per request (q_len 2: FA3 188 us vs 207 us).
+TRITON_FP8_MAX_Q_LEN = 1
 #: With at least this many heads FlashMLA goes first for every batch whose longest request
 #: reaches FLASHMLA_LONG_SEQ tokens (h128 b64 16k/32k uniform) and for every ragged batch.
 FLASHMLA_MANY_HEADS = 64
@@ -113,10 +118,18 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
-def hopper_prefers_triton(spec: DecodeSpec) -> bool:
-    """The SM90 FP8 rule: the Triton kernel first for FP8 caches with few heads, for every
-    batch (so CUDA-graph decoders, which rank without lengths, follow it too)."""
-    return spec.fp8_kv and spec.num_heads <= TRITON_FP8_MAX_HEADS
+def triton_fp8_candidate(spec: DecodeSpec) -> bool:
+    """Whether the SM90 FP8 rule can pick the Triton kernel for some batch of ``spec``."""
+    return (spec.fp8_kv and spec.num_heads <= TRITON_FP8_MAX_HEADS
+            and spec.max_q_len <= TRITON_FP8_MAX_Q_LEN)
+
+
+def hopper_prefers_triton(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+    """The SM90 FP8 rule: the Triton kernel first for FP8 caches with few heads and batches
+    of at least ``TRITON_FP8_MIN_BATCH`` (batch size only, so CUDA-graph decoders, which rank
+    without lengths, follow it too)."""
+    return (triton_fp8_candidate(spec) and shape is not None
+            and shape.batch_size >= TRITON_FP8_MIN_BATCH)
 
 
 def fa_sort_by_length(spec: DecodeSpec, shape: BatchShape | None) -> bool:
@@ -144,7 +157,7 @@ def rank(
     if platform.capability in ((10, 0), (10, 3)):
         return BLACKWELL
     if major == 9:
-        if hopper_prefers_triton(spec):
+        if hopper_prefers_triton(spec, shape):
             return HOPPER_FP8_FEW_HEADS
         return HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
     if platform.capability >= (8, 0):
@@ -156,7 +169,6 @@ def rankings(spec: DecodeSpec, platform: Platform) -> tuple[tuple[str, ...], ...
     """Every ranking ``rank`` can return for ``spec`` on ``platform`` over all batches
     (a decoder builds the first eligible route of each)."""
     if platform.kind == "cuda" and platform.capability and platform.capability[0] == 9:
-        if hopper_prefers_triton(spec):
-            return (HOPPER_FP8_FEW_HEADS,)
-        return (HOPPER, HOPPER_FLASHMLA_FIRST)
+        fp8 = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()
+        return (HOPPER, HOPPER_FLASHMLA_FIRST, *fp8)
     return (rank(spec, platform),)

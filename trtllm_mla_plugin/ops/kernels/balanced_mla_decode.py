@@ -44,11 +44,18 @@ def _find_segment(prefix_ptr, value, count, SEARCH_STEPS: tl.constexpr):
     return lo
 
 
-@triton.jit(do_not_specialize=["batch_size", "num_heads", "num_ctas"])
+@triton.jit
+def _active_ctas(total_pages, num_ctas, min_pages):
+    """CTAs that get pages: at most ``num_ctas``, each with ``min_pages`` or more (small
+    batches use fewer CTAs, so fewer partial results to merge)."""
+    return tl.maximum(tl.minimum(num_ctas, (total_pages + min_pages - 1) // min_pages), 1)
+
+
+@triton.jit(do_not_specialize=["batch_size", "num_heads", "num_ctas", "min_pages"])
 def _balanced_decode_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr, page_start_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    batch_size, num_heads, num_ctas,
+    batch_size, num_heads, num_ctas, min_pages,
     stride_q_row, stride_q_head,
     stride_kv_block, stride_kv_token,
     stride_bt,
@@ -68,8 +75,9 @@ def _balanced_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
 
     total_pages = tl.load(page_start_ptr + batch_size).to(tl.int64)
-    p_begin = (cta * total_pages) // num_ctas
-    p_end = ((cta + 1) * total_pages) // num_ctas
+    ctas = _active_ctas(total_pages, num_ctas, min_pages)
+    p_begin = tl.minimum((cta * total_pages) // ctas, total_pages)
+    p_end = tl.minimum(((cta + 1) * total_pages) // ctas, total_pages)
     req = _find_segment(page_start_ptr, p_begin, batch_size, SEARCH_STEPS)
     p = p_begin
     while p < p_end:
@@ -134,68 +142,60 @@ def _balanced_decode_kernel(
 
 
 @triton.jit
-def _partial_index(cta, req_p0, t, heads, total_pages, num_ctas, num_heads,
+def _partial_index(cta, req_p0, t, heads, total_pages, ctas, num_heads,
                    MAX_Q: tl.constexpr):
     """Partial row of (``cta``, the request starting at page ``req_p0``, query row ``t``):
     slot 1 if the CTA's range starts before the request (the request is its last)."""
-    slot = tl.where((cta * total_pages) // num_ctas < req_p0, 1, 0)
+    slot = tl.where((cta * total_pages) // ctas < req_p0, 1, 0)
     return ((cta * 2 + slot) * MAX_Q + t).to(tl.int64) * num_heads + heads
 
 
-@triton.jit
-def _partial_lse(part_lse_ptr, cta, req_p0, t, heads, head_ok, total_pages, num_ctas,
-                 num_heads, MAX_Q: tl.constexpr):
-    """Base-2 LSE of a partial; ``-inf`` for CTAs with an empty page range (they wrote none)."""
-    begin = heads * 0 + (cta * total_pages) // num_ctas
-    has_pages = begin < ((cta + 1) * total_pages) // num_ctas
-    part = _partial_index(cta, req_p0, t, heads, total_pages, num_ctas, num_heads, MAX_Q)
-    return tl.load(part_lse_ptr + part, mask=head_ok & has_pages, other=float("-inf"))
-
-
-@triton.jit(do_not_specialize=["batch_size", "num_heads", "num_ctas"])
+@triton.jit(do_not_specialize=["batch_size", "num_heads", "num_ctas", "min_pages"])
 def _merge_partials_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, cu_q_ptr, page_start_ptr,
-    batch_size, num_heads, num_ctas,
+    batch_size, num_heads, num_ctas, min_pages,
     stride_out_row, stride_out_head, v_scale,
-    DC: tl.constexpr, BLOCK_H: tl.constexpr, MAX_Q: tl.constexpr,
+    DC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, MAX_Q: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
     head_tile = tl.program_id(0)
     row = tl.program_id(1)
+    col_tile = tl.program_id(2)
     req = _find_segment(cu_q_ptr, row, batch_size, SEARCH_STEPS)
     t = row - tl.load(cu_q_ptr + req)
     # At least 1: a batch of empty (padding) requests has no pages and no partials.
     total_pages = tl.maximum(tl.load(page_start_ptr + batch_size).to(tl.int64), 1)
+    ctas = _active_ctas(total_pages, num_ctas, min_pages)
     req_p0 = tl.load(page_start_ptr + req).to(tl.int64)
     req_p1 = tl.load(page_start_ptr + req + 1).to(tl.int64)
-    # The CTA whose range holds page p: the largest c with c * total // num_ctas <= p.
-    first = ((req_p0 + 1) * num_ctas - 1) // total_pages
-    last = (req_p1 * num_ctas - 1) // total_pages
+    # The CTA whose range holds page p: the largest c with c * total // ctas <= p.
+    first = ((req_p0 + 1) * ctas - 1) // total_pages
+    last = (req_p1 * ctas - 1) // total_pages
     if last > first:
         heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
         head_ok = heads < num_heads
-        offs_c = tl.arange(0, DC)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for cta in range(first, last + 1):
-            lse = _partial_lse(part_lse_ptr, cta, req_p0, t, heads, head_ok, total_pages,
-                               num_ctas, num_heads, MAX_Q)
-            m = tl.maximum(m, lse)
-        m = tl.where(head_ok, m, 0.0)
-        acc = tl.zeros([BLOCK_H, DC], tl.float32)
+        cols = col_tile * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
         weight_sum = tl.zeros([BLOCK_H], tl.float32)
         for cta in range(first, last + 1):
-            lse = _partial_lse(part_lse_ptr, cta, req_p0, t, heads, head_ok, total_pages,
-                               num_ctas, num_heads, MAX_Q)
-            w = tl.exp2(lse - m)
-            part = _partial_index(cta, req_p0, t, heads, total_pages, num_ctas, num_heads,
-                                  MAX_Q)
-            o = tl.load(part_out_ptr + part[:, None] * DC + offs_c[None, :],
-                        mask=w[:, None] > 0.0, other=0.0)
-            acc += w[:, None] * o
-            weight_sum += w
+            # A CTA with an empty range (more CTAs than pages) wrote no partial.
+            begin = heads * 0 + (cta * total_pages) // ctas
+            has_pages = begin < ((cta + 1) * total_pages) // ctas
+            part = _partial_index(cta, req_p0, t, heads, total_pages, ctas, num_heads, MAX_Q)
+            lse = tl.load(part_lse_ptr + part, mask=head_ok & has_pages, other=float("-inf"))
+            o = tl.load(part_out_ptr + part[:, None] * DC + cols[None, :],
+                        mask=(head_ok & has_pages & (lse > float("-inf")))[:, None],
+                        other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + w[:, None] * o
+            weight_sum = weight_sum * alpha + w
+            m = m_new
         acc = acc / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
         out_rows = row.to(tl.int64) * stride_out_row + heads * stride_out_head
-        tl.store(out_ptr + out_rows[:, None] + offs_c[None, :],
+        tl.store(out_ptr + out_rows[:, None] + cols[None, :],
                  (acc * v_scale).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
@@ -214,6 +214,7 @@ def balanced_mla_decode(
     max_q_len: int,
     block_h: int,
     num_ctas: int,
+    min_pages: int,
     search_steps: int,
     softmax_scale: float,
     k_scale: float = 1.0,
@@ -238,7 +239,8 @@ def balanced_mla_decode(
         part_lse: ``[num_ctas * 2 * max_q_len * heads]`` float32 scratch.
         block_h: heads per CTA (power of two); ``block_h * max_q_len`` rows per tile,
             ``max_q_len`` a power of two here (pad it up).
-        num_ctas: CTAs the pages are spread over (fixed per decoder, so graphs can replay).
+        num_ctas: most CTAs the pages are spread over (fixed per decoder, so graphs can
+            replay); fewer when the batch has under ``min_pages`` pages per CTA.
         search_steps: binary-search steps over ``batch + 1`` offsets, at least
             ``max_batch.bit_length() + 1`` (fixed per decoder: it is compiled in).
     """
@@ -250,7 +252,7 @@ def balanced_mla_decode(
     last_compiled = _balanced_decode_kernel[(head_tiles, num_ctas)](
         query, kv_cache, block_table, seq_lens, cu_seqlens_q, page_start,
         out, part_out, part_lse,
-        batch, heads, num_ctas,
+        batch, heads, num_ctas, min_pages,
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -261,11 +263,14 @@ def balanced_mla_decode(
         num_warps=num_warps, num_stages=num_stages,
     )
     merge_h = min(triton.next_power_of_2(heads), 16)
-    _merge_partials_kernel[(triton.cdiv(heads, merge_h), num_tokens)](
+    merge_c = min(kv_lora_rank, 128)
+    merge_grid = (triton.cdiv(heads, merge_h), num_tokens, kv_lora_rank // merge_c)
+    _merge_partials_kernel[merge_grid](
         out, part_out, part_lse, cu_seqlens_q, page_start,
-        batch, heads, num_ctas,
+        batch, heads, num_ctas, min_pages,
         out.stride(0), out.stride(1), v_scale,
-        DC=kv_lora_rank, BLOCK_H=merge_h, MAX_Q=max_q_len, SEARCH_STEPS=search_steps,
+        DC=kv_lora_rank, BLOCK_H=merge_h, BLOCK_C=merge_c, MAX_Q=max_q_len,
+        SEARCH_STEPS=search_steps,
         num_warps=4,
     )
     return out

@@ -38,12 +38,15 @@ class LaunchConfig:
         block_n: KV tokens per inner-loop tile (divides the page size).
         num_warps: warps per CTA.
         num_stages: software-pipeline depth of the KV tile loads.
+        min_tokens_per_cta: small batches spread over fewer CTAs, at least this many KV
+            tokens each (fewer partial results to merge).
     """
 
     ctas_per_sm: int = 2
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 3
+    min_tokens_per_cta: int = 256
 
 
 def default_config(spec: DecodeSpec) -> LaunchConfig:
@@ -172,6 +175,7 @@ class TritonBalancedRoute(DecodeRoute):
             max_q_len=padded_q_len(spec),
             block_h=tile_heads(spec),
             num_ctas=self.num_ctas,
+            min_pages=max(1, config.min_tokens_per_cta // spec.block_size),
             search_steps=self.max_batch_size.bit_length() + 1,
             softmax_scale=spec.softmax_scale * scales.q_scale,
             k_scale=scales.k_scale,

@@ -145,7 +145,7 @@ class _StubRoute:
         self.plans.append((batch.batch_size, self.sort_by_length))
 
 
-def stub_decoder(monkeypatch, heads=16, cuda_graph=False):
+def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16):
     monkeypatch.setattr(decoder_mod, "platform_of", lambda device: H200)
     stubs = {}
 
@@ -161,7 +161,7 @@ def stub_decoder(monkeypatch, heads=16, cuda_graph=False):
             "unsupported_reason": ROUTES[name].unsupported_reason,
             "kernel": ROUTES[name].kernel,
         }))
-    return MLADecoder(spec(heads), "cpu", 512, cuda_graph=cuda_graph), stubs
+    return MLADecoder(spec(heads, kv=kv), "cpu", 512, cuda_graph=cuda_graph), stubs
 
 
 def batch(lens, kv_tokens=True):
@@ -183,6 +183,18 @@ def test_decoder_follows_policy_per_batch(kernels_present, monkeypatch):
     # kv_tokens missing: the decoder counts it (host tensor here, a sync on the GPU)
     dec.plan(batch([8 * K, 2 * K] * 64, kv_tokens=False))
     assert dec.route.name == "flashmla"
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_decoder_takes_triton_for_large_fp8_batches(kernels_present, monkeypatch, cuda_graph):
+    dec, stubs = stub_decoder(monkeypatch, heads=16, kv=FP8, cuda_graph=cuda_graph)
+    assert dec.route_name == "flashinfer-fa3+triton-balanced"
+    steps = (([4 * K, 1 * K] * 32, "triton-balanced"), ([8 * K] * 8, "flashinfer-fa3"),
+             ([1] * 32, "triton-balanced"), ([2 * K] * 31, "flashinfer-fa3"))
+    for lens, expected in steps:
+        dec.plan(batch(lens))
+        assert dec.route.name == expected, (len(lens), cuda_graph)
+    assert stubs["triton-balanced"].plans == [(64, False), (32, False)]
 
 
 def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):

@@ -3,8 +3,10 @@
 Why: FlashInfer's FA3 planner and vLLM's Triton kernel split each *request*; on ragged
 batches the CTA holding a long request finishes last (docs/benchmarks.md, "The ragged
 gap"). Here the batch's pages are laid end to end (request 0's pages, then request 1's, ...)
-and cut into ``num_ctas`` equal ranges, one per CTA, as FlashMLA's scheduler does, but
-computed from a ``[batch + 1]`` page prefix sum alone so it stays valid under CUDA graphs.
+and cut into equal ranges, one per CTA, as FlashMLA's scheduler does, but computed from a
+``[batch + 1]`` page prefix sum alone so it stays valid under CUDA graphs. The grid has
+``num_ctas`` CTAs; small batches give pages to fewer of them (``min_pages`` each at least)
+so fewer partial results need merging.
 
 A CTA walks the requests its range touches. A request that lies wholly inside one CTA's
 range is written to the output directly; a request cut by range borders leaves one partial

@@ -234,6 +234,7 @@ def sweep_triton(device, writer) -> None:
             for cps in SWEEP_CTAS_PER_SM:
                 route.config = replace(base, block_n=bn, num_warps=nw, num_stages=ns,
                                        ctas_per_sm=cps)
+                k.obj.plan(case.batch)  # the route reads its config when planning
                 row = dict(shape=case.name, block_n=bn, num_warps=nw, num_stages=ns,
                            ctas_per_sm=cps, us="", pct_copy="", rel_err="", status="ok")
                 try:

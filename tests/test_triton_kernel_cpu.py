@@ -20,15 +20,28 @@ H200 = Platform("cuda", (9, 0), "NVIDIA H200")
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 
 
-def test_kernel_matches_reference_under_interpreter():
+def _run_interpreter_cases(*args: str) -> subprocess.CompletedProcess:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "triton_interpreter_cases.py")],
+    proc = subprocess.run([sys.executable, str(HERE / "triton_interpreter_cases.py"), *args],
                           env=env, capture_output=True, text=True, timeout=300)
     print(proc.stdout)
+    return proc
+
+
+def test_kernel_matches_reference_under_interpreter():
+    proc = _run_interpreter_cases()
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "0 of 10 cases above 1e-5" in proc.stdout
+
+
+def test_route_plans_and_runs_under_interpreter():
+    """The route's own plan (query offsets, page prefix sums, tables staged for CUDA graphs,
+    scratch) and run, re-planned over three steps, eager and with ``cuda_graph=True``."""
+    proc = _run_interpreter_cases("--route")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "route: 0 of 6 steps above 1e-5" in proc.stdout
 
 
 def _signature(kv: str, q: str) -> dict:

@@ -72,7 +72,50 @@ CASES = [
     ([16], 1, 16, 16, 16, torch.float32, 1.0, 1.0, 4),  # one page, one active CTA
 ]
 
-if __name__ == "__main__":
+def run_route_steps(cuda_graph: bool) -> list[float]:
+    """The route ``triton-balanced`` itself (plan per step, run per layer) over three steps
+    of one decoder: uniform one-token, uniform two-token and ragged query lengths."""
+    from types import SimpleNamespace
+
+    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, KVScales
+    from trtllm_mla_plugin.ops.routes.triton_balanced import LaunchConfig, TritonBalancedRoute
+
+    torch.cuda.get_device_properties = lambda device: SimpleNamespace(multi_processor_count=3)
+    spec = DecodeSpec(16, DC, DR, 16, torch.float32, FP8, SCALE, max_q_len=2)
+    route = TritonBalancedRoute(spec, torch.device("cpu"), max_batch_size=4,
+                                cuda_graph=cuda_graph)
+    route.config = LaunchConfig(block_n=16, min_tokens_per_cta=16)
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(40, 16, DC + DR, generator=gen).to(FP8)
+    scales = KVScales(1.0, 0.5, 0.25)
+    errors = []
+    steps = [([70, 5, 33], None), ([17, 90, 2, 40], 2), ([60, 9], [2, 1])]
+    for lens, q_lens in steps:
+        b = len(lens)
+        per_req = q_lens if isinstance(q_lens, list) else [q_lens or 1] * b
+        cu = torch.zeros(b + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(per_req), 0)
+        table = torch.randperm(40, generator=gen)[: b * 8].view(b, 8).to(torch.int32)
+        batch = DecodeBatch(table, torch.tensor(lens, dtype=torch.int32), max(lens),
+                            cu_seqlens_q=cu if isinstance(q_lens, list) else None,
+                            max_q_len=max(per_req), num_tokens=int(cu[-1]))
+        route.plan(batch)
+        query = torch.randn(int(cu[-1]), 16, DC + DR, generator=gen)
+        out = torch.full((int(cu[-1]), 16, DC), float("nan"))
+        route.run(query, cache, out, scales)
+        ref = mla_decode_reference(query.double(), cache, table, batch.seq_lens, SCALE, DC,
+                                   cu_seqlens_q=cu, scales=scales)
+        errors.append(((out.double() - ref).norm() / ref.norm()).item())
+    return errors
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--route"]:
+    errors = run_route_steps(False) + run_route_steps(True)
+    print("route steps: rel err " + ", ".join(f"{e:.2e}" for e in errors))
+    failed = [e for e in errors if not e < 1e-5]
+    print(f"route: {len(failed)} of {len(errors)} steps above 1e-5")
+    sys.exit(1 if failed else 0)
+elif __name__ == "__main__":
     errors = []
     for case in CASES:
         errors.append(run_case(*case))

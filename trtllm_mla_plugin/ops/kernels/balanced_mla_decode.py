@@ -47,6 +47,13 @@ def _find_segment(prefix_ptr, value, count, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit
+def _partial_row(cta, slot, t, heads, num_heads, MAX_Q: tl.constexpr):
+    """Row of a partial result in the ``[num_ctas, 2, MAX_Q, heads]`` scratch; slot 0 holds
+    the cut request a CTA's range starts in, slot 1 the one it ends in."""
+    return ((cta * 2 + slot) * MAX_Q + t).to(tl.int64) * num_heads + heads
+
+
+@triton.jit
 def _active_ctas(total_pages, num_ctas, min_pages):
     """CTAs that get pages: at most ``num_ctas``, each with ``min_pages`` or more (small
     batches use fewer CTAs, so fewer partial results to merge)."""
@@ -132,24 +139,13 @@ def _balanced_decode_kernel(
             tl.store(out_ptr + out_rows[:, None] + offs_c[None, :],
                      (o * v_scale).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
-            # Slot 0: the request this CTA's range starts in; slot 1: the one it ends in.
-            slot = tl.where(p == p_begin, 0, 1)
-            part = ((cta * 2 + slot) * MAX_Q + row_t).to(tl.int64) * num_heads + row_h
+            part = _partial_row(cta, tl.where(p == p_begin, 0, 1), row_t, row_h, num_heads, MAX_Q)
             lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
             tl.store(part_lse_ptr + part, lse, mask=row_ok)
             tl.store(part_out_ptr + part[:, None] * DC + offs_c[None, :], o,
                      mask=row_ok[:, None])
         p = seg_p1
         req += 1
-
-
-@triton.jit
-def _partial_index(cta, req_p0, t, heads, total_pages, ctas, num_heads,
-                   MAX_Q: tl.constexpr):
-    """Partial row of (``cta``, the request starting at page ``req_p0``, query row ``t``):
-    slot 1 if the CTA's range starts before the request (the request is its last)."""
-    slot = tl.where((cta * total_pages) // ctas < req_p0, 1, 0)
-    return ((cta * 2 + slot) * MAX_Q + t).to(tl.int64) * num_heads + heads
 
 
 @triton.jit(do_not_specialize=["batch_size", "num_heads", "num_ctas", "min_pages"])
@@ -182,9 +178,10 @@ def _merge_partials_kernel(
         weight_sum = tl.zeros([BLOCK_H], tl.float32)
         for cta in range(first, last + 1):
             # A CTA with an empty range (more CTAs than pages) wrote no partial.
-            begin = heads * 0 + (cta * total_pages) // ctas
-            has_pages = begin < ((cta + 1) * total_pages) // ctas
-            part = _partial_index(cta, req_p0, t, heads, total_pages, ctas, num_heads, MAX_Q)
+            begin = (cta * total_pages) // ctas
+            # Slot 1 when the CTA's range starts before the request (the request is its last).
+            part = _partial_row(cta, tl.where(begin < req_p0, 1, 0), t, heads, num_heads, MAX_Q)
+            has_pages = heads * 0 + begin < ((cta + 1) * total_pages) // ctas
             lse = tl.load(part_lse_ptr + part, mask=head_ok & has_pages, other=float("-inf"))
             o = tl.load(part_out_ptr + part[:, None] * DC + cols[None, :],
                         mask=(head_ok & has_pages & (lse > float("-inf")))[:, None],

@@ -30,6 +30,38 @@ def module_available(name: str) -> bool:
         return False
 
 
+class StagedTables:
+    """Persistent int32 copies of a step's block table and sequence lengths.
+
+    Why: a captured CUDA graph reads the addresses it saw at capture, so routes whose
+    kernels take these tensors copy each step's values into buffers that stay put, and a
+    graph replays after re-planning. The table grows (a new address) only when a wider one
+    arrives; vLLM's width is fixed, and ``MLADecoder`` documents the rule.
+    """
+
+    def __init__(self, max_batch_size: int, device: torch.device, width_multiple: int = 1):
+        self.max_batch_size = max_batch_size
+        self.device = device
+        self.width_multiple = width_multiple
+        self.seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self.block_table: torch.Tensor | None = None
+
+    def stage(self, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy ``batch``'s tables in; returns the ``[batch, width]`` table (width rounded
+        up to ``width_multiple``, extra columns zero) and ``[batch]`` lengths views."""
+        b, width = batch.batch_size, batch.block_table.shape[1]
+        padded = round_up(max(width, 1), self.width_multiple)
+        if self.block_table is None or self.block_table.shape[1] < padded:
+            self.block_table = torch.zeros(
+                self.max_batch_size, padded, dtype=torch.int32, device=self.device
+            )
+        self.block_table[:b, :width].copy_(batch.block_table, non_blocking=True)
+        # Columns past a request's length are never read; zero keeps them valid block ids.
+        self.block_table[:b, width:].zero_()
+        self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        return self.block_table[:b], self.seq_lens[:b]
+
+
 class DecodeRoute(ABC):
     """One way of running absorbed-MLA paged decode."""
 

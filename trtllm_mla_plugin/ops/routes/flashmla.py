@@ -21,7 +21,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, module_available
+from .base import DecodeRoute, StagedTables, module_available
 
 FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
 
@@ -65,8 +65,7 @@ class FlashMLARoute(DecodeRoute):
 
         self._fm = importlib.import_module(FLASHMLA_MODULE)
         n, q = max_batch_size, spec.max_q_len
-        self._seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self._block_table: torch.Tensor | None = None
+        self._tables = StagedTables(n, device)
         # Padded-slot index of every query row (ragged batches only).
         self._slot = torch.zeros(n * q, dtype=torch.int64, device=device)
         self._padded_q = torch.zeros(n * q, spec.num_heads, spec.head_dim,
@@ -76,14 +75,8 @@ class FlashMLARoute(DecodeRoute):
         self._capture_meta = None
 
     def plan(self, batch: DecodeBatch) -> None:
-        b, width = batch.batch_size, batch.block_table.shape[1]
-        if self._block_table is None or self._block_table.shape[1] < width:
-            self._block_table = torch.zeros(
-                self.max_batch_size, width, dtype=torch.int32, device=self.device
-            )
-        self._block_table[:b, :width].copy_(batch.block_table, non_blocking=True)
-        self._block_table[:b, width:].zero_()
-        self._seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        b = batch.batch_size
+        self._block_table, self._seq_lens = self._tables.stage(batch)
         if not batch.uniform_q_len:
             m, t = batch.max_q_len, batch.num_tokens
             cu = batch.cu_seqlens_q.to(torch.int64)
@@ -128,8 +121,8 @@ class FlashMLARoute(DecodeRoute):
         result, _ = self._fm.flash_mla_with_kvcache(
             q=q,
             k_cache=kv_cache.unsqueeze(-2),
-            block_table=self._block_table[:b],
-            cache_seqlens=self._seq_lens[:b],
+            block_table=self._block_table,
+            cache_seqlens=self._seq_lens,
             head_dim_v=spec.kv_lora_rank,
             tile_scheduler_metadata=self._schedule(),
             softmax_scale=spec.softmax_scale,

@@ -16,7 +16,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, module_available
+from .base import DecodeRoute, StagedTables, module_available
 
 MAX_Q_LEN = 16
 #: Rows (heads x query tokens) one CTA multiplies at once; bounds the fp32 accumulator
@@ -106,7 +106,7 @@ class TritonBalancedRoute(DecodeRoute):
         from ..kernels import balanced_mla_decode as kernels
 
         self._kernels = kernels
-        #: Launch configuration; benchmarks may replace it between plans.
+        #: Launch configuration, read at each ``plan`` (benchmarks replace it between plans).
         self.config = default_config(spec)
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         n = max_batch_size
@@ -116,73 +116,67 @@ class TritonBalancedRoute(DecodeRoute):
         #: persistent so a captured launch reads each step's values.
         self._cu_q = torch.zeros(n + 1, **i32)
         self._page_start = torch.zeros(n + 1, **i32)
-        self._seq_lens = torch.zeros(n, **i32)
-        self._block_table: torch.Tensor | None = None
+        self._tables = StagedTables(n, device)
+        #: Split-KV scratch: partial outputs and their LSEs (fp32), grown in ``plan``.
         self._part_out = torch.empty(0, dtype=torch.float32, device=device)
         self._part_lse = torch.empty(0, dtype=torch.float32, device=device)
-        self._batch: DecodeBatch | None = None
+        self._tensors: tuple[torch.Tensor, ...] = ()
+        self._launch: dict[str, int] = {}
 
-    @property
-    def num_ctas(self) -> int:
+    def _num_ctas(self) -> int:
         spec = self.spec
         per_cta = 2 * padded_q_len(spec) * spec.num_heads * (spec.kv_lora_rank + 1) * 4
         return max(1, min(self._sms * self.config.ctas_per_sm, MAX_SCRATCH_BYTES // per_cta))
 
-    def _scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial outputs ``[num_ctas * 2 * q * heads * Dc]`` and their LSEs (fp32)."""
-        rows = self.num_ctas * 2 * padded_q_len(self.spec) * self.spec.num_heads
+    def plan(self, batch: DecodeBatch) -> None:
+        spec, config = self.spec, self.config
+        b, page = batch.batch_size, spec.block_size
+        if self.cuda_graph:
+            block_table, seq_lens = self._tables.stage(batch)
+        else:
+            block_table = batch.block_table.to(torch.int32)
+            seq_lens = batch.seq_lens.to(torch.int32)
+        cu_q, page_start = self._cu_q[: b + 1], self._page_start[: b + 1]
+        if batch.uniform_q_len:
+            torch.mul(self._uniform_cu[: b + 1], batch.max_q_len, out=cu_q)
+        else:
+            cu_q.copy_(batch.cu_seqlens_q, non_blocking=True)
+        pages = (seq_lens + (page - 1)) // page
+        torch.cumsum(pages, 0, dtype=torch.int32, out=page_start[1:])
+        num_ctas = self._num_ctas()
+        rows = num_ctas * 2 * padded_q_len(spec) * spec.num_heads
         if self._part_lse.numel() < rows:
-            self._part_out = torch.empty(rows * self.spec.kv_lora_rank, dtype=torch.float32,
+            self._part_out = torch.empty(rows * spec.kv_lora_rank, dtype=torch.float32,
                                          device=self.device)
             self._part_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
-        return self._part_out, self._part_lse
-
-    def plan(self, batch: DecodeBatch) -> None:
-        b, page = batch.batch_size, self.spec.block_size
-        seq_lens, block_table = batch.seq_lens, batch.block_table
-        if self.cuda_graph:
-            width = block_table.shape[1]
-            if self._block_table is None or self._block_table.shape[1] < width:
-                self._block_table = torch.zeros(self.max_batch_size, width, dtype=torch.int32,
-                                                device=self.device)
-            self._block_table[:b, :width].copy_(block_table, non_blocking=True)
-            self._seq_lens[:b].copy_(seq_lens, non_blocking=True)
-            block_table, seq_lens = self._block_table[:b], self._seq_lens[:b]
-        if batch.uniform_q_len:
-            torch.mul(self._uniform_cu[: b + 1], batch.max_q_len, out=self._cu_q[: b + 1])
-        else:
-            self._cu_q[: b + 1].copy_(batch.cu_seqlens_q, non_blocking=True)
-        pages = (seq_lens + (page - 1)) // page
-        torch.cumsum(pages, 0, dtype=torch.int32, out=self._page_start[1 : b + 1])
-        self._planned = (block_table.to(torch.int32), seq_lens.to(torch.int32))
-        self._scratch()
-        self._batch = batch
+        self._tensors = (block_table, seq_lens, cu_q, page_start)
+        self._launch = {
+            "kv_lora_rank": spec.kv_lora_rank,
+            "max_q_len": padded_q_len(spec),
+            "block_h": tile_heads(spec),
+            "num_ctas": num_ctas,
+            "min_pages": max(1, config.min_tokens_per_cta // page),
+            "search_steps": self.max_batch_size.bit_length() + 1,
+            "block_n": config.block_n,
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+        }
 
     def run(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
     ) -> torch.Tensor:
-        spec, config = self.spec, self.config
+        spec = self.spec
         if not spec.fp8_kv and not scales.is_unit:
             raise ValueError(
                 "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
                 f"{spec.kv_dtype} cache"
             )
-        b = self._batch.batch_size
-        block_table, seq_lens = self._planned
-        part_out, part_lse = self._scratch()
+        block_table, seq_lens, cu_q, page_start = self._tensors
         return self._kernels.balanced_mla_decode(
-            query, kv_cache, block_table, seq_lens,
-            self._cu_q[: b + 1], self._page_start[: b + 1], out, part_out, part_lse,
-            kv_lora_rank=spec.kv_lora_rank,
-            max_q_len=padded_q_len(spec),
-            block_h=tile_heads(spec),
-            num_ctas=self.num_ctas,
-            min_pages=max(1, config.min_tokens_per_cta // spec.block_size),
-            search_steps=self.max_batch_size.bit_length() + 1,
+            query, kv_cache, block_table, seq_lens, cu_q, page_start, out,
+            self._part_out, self._part_lse,
             softmax_scale=spec.softmax_scale * scales.q_scale,
             k_scale=scales.k_scale,
             v_scale=scales.v_scale,
-            block_n=config.block_n,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            **self._launch,
         )

@@ -23,7 +23,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, module_available, round_up
+from .base import DecodeRoute, StagedTables, module_available
 
 BLACKWELL_CAPABILITIES = ((10, 0), (10, 3))
 # (kv_lora_rank, rope_dim) -> qk_nope_head_dim. FlashInfer 0.7.2 keeps the argument only
@@ -190,9 +190,9 @@ class _TrtllmMlaRoute(DecodeRoute):
         self._decode = trtllm_batch_decode_with_kv_cache_mla
         self.max_tokens = max_batch_size * spec.max_q_len
         self.workspace = workspace_for(device)
-        self._seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        # The CuTe DSL path wants the table width a multiple of 128 / block_size.
+        self._tables = StagedTables(max_batch_size, device, 128 // spec.block_size)
         self._cu_seqlens_q = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
-        self._block_table: torch.Tensor | None = None
         self._query8 = (
             torch.empty(max_batch_size * spec.max_q_len, spec.num_heads, spec.head_dim,
                         dtype=torch.float8_e4m3fn, device=device)
@@ -206,18 +206,8 @@ class _TrtllmMlaRoute(DecodeRoute):
         return None
 
     def plan(self, batch: DecodeBatch) -> None:
-        b, width = batch.batch_size, batch.block_table.shape[1]
-        padded = round_up(max(width, 1), 128 // self.spec.block_size)
-        if self._block_table is None or self._block_table.shape[1] < padded:
-            # Grows only when a wider table arrives; a graph captured before that would
-            # keep the old address (documented on MLADecoder).
-            self._block_table = torch.zeros(
-                self.max_batch_size, padded, dtype=torch.int32, device=self.device
-            )
-        self._block_table[:b, :width].copy_(batch.block_table, non_blocking=True)
-        # Columns past a request's length are never read; zero keeps them valid ids.
-        self._block_table[:b, width:].zero_()
-        self._seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        b = batch.batch_size
+        self._block_table, self._seq_lens = self._tables.stage(batch)
         if not batch.uniform_q_len:
             self._cu_seqlens_q[: b + 1].copy_(batch.cu_seqlens_q, non_blocking=True)
         self._batch = batch
@@ -238,8 +228,8 @@ class _TrtllmMlaRoute(DecodeRoute):
             kv_cache=kv_cache,
             out=out,
             workspace=self.workspace,
-            block_tables=self._block_table[:b],
-            seq_lens=self._seq_lens[:b],
+            block_tables=self._block_table,
+            seq_lens=self._seq_lens,
             max_seq_len=batch.max_seq_len,
             batch_size=b,
             max_q_len=batch.max_q_len,

@@ -194,3 +194,25 @@ def test_spec_errors():
     with pytest.raises(ValueError, match="num_tokens is required"):
         DecodeBatch(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1,
                     cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_q_len=1)
+
+
+def test_staged_tables_keep_addresses_and_zero_the_padding():
+    """Routes copy each step's block table and lengths into these buffers, so a captured
+    CUDA graph replays after re-planning; the table grows only for a wider table."""
+    from trtllm_mla_plugin.ops.routes.base import StagedTables
+
+    def batch(table, lens):
+        t = torch.tensor(table, dtype=torch.int32)
+        return DecodeBatch(t, torch.tensor(lens, dtype=torch.int32), max(lens))
+
+    staged = StagedTables(4, torch.device("cpu"), width_multiple=4)
+    table, lens = staged.stage(batch([[5, 6, 7], [8, 9, 10]], [40, 3]))
+    assert table.shape == (2, 4) and table.tolist() == [[5, 6, 7, 0], [8, 9, 10, 0]]
+    assert lens.tolist() == [40, 3]
+    ptrs = (staged.block_table.data_ptr(), staged.seq_lens.data_ptr())
+    table, lens = staged.stage(batch([[1, 2], [3, 4], [5, 6]], [7, 8, 9]))
+    assert (staged.block_table.data_ptr(), staged.seq_lens.data_ptr()) == ptrs
+    assert table.tolist() == [[1, 2, 0, 0], [3, 4, 0, 0], [5, 6, 0, 0]]
+    assert lens.tolist() == [7, 8, 9]
+    staged.stage(batch([[1] * 5], [70]))  # wider: a new, larger table
+    assert staged.block_table.shape == (4, 8)

@@ -11,11 +11,13 @@ from trtllm_mla_plugin.ops import (
     MLADecoder,
     Platform,
     choose_route,
+    engine_query_dtype,
     mla_decode,
     mla_decode_reference,
 )
 from trtllm_mla_plugin.ops.platform import CPU
 from trtllm_mla_plugin.ops.policy import BatchShape
+from trtllm_mla_plugin.ops.routes import ROUTES
 from trtllm_mla_plugin.ops.routes.flashinfer_mla import fa_causal_tiles_safe
 
 B200 = Platform("cuda", (10, 0), "NVIDIA B200")
@@ -28,7 +30,7 @@ def spec(heads=16, block=64, q=BF16, kv=BF16, max_q_len=1, dims=(512, 64)):
     return DecodeSpec(heads, dims[0], dims[1], block, q, kv, 0.1, max_q_len)
 
 
-ROUTE_MODULES = ("trtllm_gen", "flashinfer_mla", "flashmla", "triton_balanced")
+ROUTE_MODULES = ("trtllm_gen", "flashinfer_mla", "flashmla", "flashmla_fp8", "triton_balanced")
 
 
 @pytest.fixture
@@ -66,10 +68,13 @@ def test_blackwell_block16_falls_to_fa2(flashinfer_present):
 
 def test_hopper_takes_fa3(flashinfer_present):
     assert choose_route(spec(), H200).name == "flashinfer-fa3"
-    # FP8 with few heads prefers the Triton kernel on large batches; without triton, FA3
+    # FP8: FlashMLA's FP8 kernel first, then (few heads, large batches) the Triton kernel;
+    # with neither installed, FA3
     choice = choose_route(spec(kv=FP8), H200, shape=BatchShape(64, 1))
     assert choice.name == "flashinfer-fa3"
-    assert choice.skipped[0][0] == "triton-balanced" and "triton" in choice.skipped[0][1]
+    assert [name for name, _ in choice.skipped] == ["flashmla-fp8", "triton-balanced"]
+    assert "vllm._flashmla_extension_C is not importable" in choice.skipped[0][1]
+    assert "triton" in choice.skipped[1][1]
     assert choose_route(spec(heads=128, kv=FP8), H200).name == "flashinfer-fa3"
 
 
@@ -81,6 +86,53 @@ def test_hopper_fp8_few_heads_takes_triton(monkeypatch):
     assert choose_route(spec(kv=FP8), H200, shape=big).name == "triton-balanced"
     assert choose_route(spec(kv=FP8), H200).name == "flashinfer-fa3"  # default: no batch yet
     assert choose_route(spec(), H200, shape=big).name == "flashinfer-fa3"
+
+
+@pytest.fixture
+def flashmla_fp8_present(monkeypatch):
+    for mod in ROUTE_MODULES:
+        monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
+                            lambda name: name in ("flashinfer", "vllm._flashmla_extension_C"))
+
+
+@pytest.mark.parametrize("heads", [16, 20, 128])
+@pytest.mark.parametrize("q", [BF16, FP8])
+@pytest.mark.parametrize("max_q_len", [1, 4])
+def test_hopper_fp8_takes_flashmla_fp8(flashmla_fp8_present, heads, q, max_q_len):
+    s = spec(heads=heads, q=q, kv=FP8, max_q_len=max_q_len)
+    for shape in (None, BatchShape(1, 1), BatchShape(64, max_q_len, 4096, 64 * 2048)):
+        assert choose_route(s, H200, shape=shape).name == "flashmla-fp8"
+
+
+def test_flashmla_fp8_reasons(flashmla_fp8_present):
+    reason = ROUTES["flashmla-fp8"].unsupported_reason
+    assert "--block-size 64" in reason(spec(block=32, kv=FP8), H200)
+    assert "FP8 (e4m3) caches only" in reason(spec(), H200)
+    assert "bfloat16" in reason(spec(q=torch.float16, kv=FP8), H200)
+    assert "kv_lora_rank 512" in reason(spec(kv=FP8, dims=(256, 64)), H200)
+    for platform in (B200, A100, CPU, Platform("cuda", (9, 1), "SM91")):
+        assert "SM90 only" in reason(spec(kv=FP8), platform)
+    # block 32: FP8 caches fall back to a bf16-query route with the reason kept
+    choice = choose_route(spec(block=32, kv=FP8), H200)
+    assert choice.name == "flashinfer-fa3" and "--block-size 64" in choice.explain()
+
+
+def test_engine_query_dtype(flashmla_fp8_present):
+    """FP8 queries are asked of the engine only where every route would read FP8 anyway."""
+    assert engine_query_dtype(spec(kv=FP8), H200) == FP8
+    assert engine_query_dtype(spec(kv=FP8, heads=128, max_q_len=4), H200) == FP8
+    assert engine_query_dtype(spec(), H200) == BF16  # bf16 cache
+    assert engine_query_dtype(spec(kv=FP8, block=32), H200) == BF16  # FA3 reads bf16 queries
+    assert engine_query_dtype(spec(kv=FP8), H200, forced="flashinfer-fa3") == BF16
+    assert engine_query_dtype(spec(kv=FP8), H200, forced="flashmla-fp8") == FP8
+    assert engine_query_dtype(spec(kv=FP8), B200) == FP8  # TRTLLM-gen reads FP8 queries
+    assert engine_query_dtype(spec(kv=FP8), CPU) == BF16  # the reference takes any query
+    with pytest.raises(ValueError, match="cannot serve"):
+        engine_query_dtype(spec(kv=FP8), CPU, forced="flashmla-fp8")
+
+
+def test_engine_query_dtype_without_flashmla_fp8(flashinfer_present):
+    assert engine_query_dtype(spec(kv=FP8), H200) == BF16
 
 
 def test_hopper_causal_tile_hazard_skips_fa(flashinfer_present):

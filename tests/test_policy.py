@@ -32,9 +32,16 @@ def spec(heads=16, block=64, kv=BF16, q_len=1):
 
 @pytest.fixture
 def kernels_present(monkeypatch):
-    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla", "triton_balanced"):
+    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla", "flashmla_fp8", "triton_balanced"):
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: True)
+
+
+@pytest.fixture
+def without_flashmla_fp8(kernels_present, monkeypatch):
+    """Every kernel package but FlashMLA's FP8 extension: the FP8 fallback rules."""
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.flashmla_fp8.module_available",
+                        lambda name: False)
 
 
 def shape(b, max_len, mean_len=None, q=1):
@@ -70,14 +77,23 @@ def test_sm90_policy_table(kernels_present, heads, batch, expected):
     assert choose_route(spec(heads), H200, shape=batch).name == expected
 
 
-def test_fp8_and_block32_never_take_flashmla(kernels_present):
+def test_fp8_and_block32_never_take_bf16_flashmla(kernels_present):
     long_ragged = shape(128, 32 * K, 8 * K)
-    assert choose_route(spec(128, kv=FP8), H200, shape=long_ragged).name == "flashinfer-fa3"
+    assert choose_route(spec(128, kv=FP8), H200, shape=long_ragged).name == "flashmla-fp8"
     assert choose_route(spec(128, block=32), H200, shape=long_ragged).name == "flashinfer-fa3"
 
 
+@pytest.mark.parametrize("heads", [8, 16, 32, 128])
+def test_fp8_takes_flashmla_fp8_for_every_batch(kernels_present, heads):
+    for q in (1, 2, 4):
+        s = spec(heads, kv=FP8, q_len=q)
+        for batch in (None, BatchShape(1, q), shape(64, 4 * K, 2 * K, q=q), shape(512, 64 * K)):
+            assert choose_route(s, H200, shape=batch).name == "flashmla-fp8"
+        assert policy.rankings(s, H200)[0] == policy.HOPPER_FP8
+
+
 @pytest.mark.parametrize("heads", [1, 8, 16])
-def test_fp8_with_few_heads_takes_the_triton_kernel(kernels_present, heads):
+def test_fp8_with_few_heads_takes_the_triton_kernel(without_flashmla_fp8, heads):
     for batch in (shape(64, 4 * K, 2 * K), shape(32, 8 * K), shape(128, 32 * K, 8 * K),
                   BatchShape(64, 1)):
         assert choose_route(spec(heads, kv=FP8), H200, shape=batch).name == "triton-balanced"
@@ -90,13 +106,13 @@ def test_fp8_with_few_heads_takes_the_triton_kernel(kernels_present, heads):
 
 
 @pytest.mark.parametrize("heads", [20, 32, 64, 128])
-def test_fp8_with_more_heads_stays_on_fa3(kernels_present, heads):
+def test_fp8_with_more_heads_stays_on_fa3(without_flashmla_fp8, heads):
     s = spec(heads, kv=FP8)
     assert choose_route(s, H200, shape=shape(64, 8 * K, 4 * K)).name == "flashinfer-fa3"
     assert policy.HOPPER_FP8_FEW_HEADS not in policy.rankings(s, H200)
 
 
-def test_fp8_speculative_decode_stays_on_fa3(kernels_present):
+def test_fp8_speculative_decode_stays_on_fa3(without_flashmla_fp8):
     s = spec(16, kv=FP8, q_len=2)
     assert choose_route(s, H200, shape=shape(64, 4 * K, 2 * K, q=2)).name == "flashinfer-fa3"
 
@@ -186,7 +202,8 @@ def test_decoder_follows_policy_per_batch(kernels_present, monkeypatch):
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_decoder_takes_triton_for_large_fp8_batches(kernels_present, monkeypatch, cuda_graph):
+def test_decoder_takes_triton_for_large_fp8_batches(without_flashmla_fp8, monkeypatch,
+                                                    cuda_graph):
     dec, stubs = stub_decoder(monkeypatch, heads=16, kv=FP8, cuda_graph=cuda_graph)
     assert dec.route_name == "flashinfer-fa3+triton-balanced"
     steps = (([4 * K, 1 * K] * 32, "triton-balanced"), ([8 * K] * 8, "flashinfer-fa3"),

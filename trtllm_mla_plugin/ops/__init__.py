@@ -3,7 +3,14 @@
 Imports no engine (vLLM) and no kernel package at import time.
 """
 
-from .decoder import MLADecoder, RouteChoice, choose_route, mla_decode, route_set
+from .decoder import (
+    MLADecoder,
+    RouteChoice,
+    choose_route,
+    engine_query_dtype,
+    mla_decode,
+    route_set,
+)
 from .platform import Platform, platform_of
 from .reference import mla_decode_reference
 from .spec import UNIT_SCALES, DecodeBatch, DecodeSpec, KVScales
@@ -17,6 +24,7 @@ __all__ = [
     "Platform",
     "RouteChoice",
     "choose_route",
+    "engine_query_dtype",
     "mla_decode",
     "mla_decode_reference",
     "platform_of",

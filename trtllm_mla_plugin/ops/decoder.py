@@ -78,6 +78,29 @@ def route_set(spec: DecodeSpec, platform: Platform) -> tuple[RouteChoice, ...]:
     return tuple(found.values())
 
 
+def engine_query_dtype(
+    spec: DecodeSpec, platform: Platform, forced: str | None = None
+) -> torch.dtype:
+    """The query dtype an engine should hand to a decoder for ``spec``, whose ``q_dtype``
+    is the model's.
+
+    FP8 when the cache is FP8 and every route the decoder would hold reads an FP8 query
+    anyway (``DecodeRoute.fp8_query``): the engine's own fused concat + quantise (vLLM's,
+    with the layer's ``q_scale``) then replaces the route's separate quantisation, as in
+    vLLM's own FLASHMLA backend. Otherwise ``spec.q_dtype`` (the query stays in real
+    values). Raises ``ValueError`` as ``choose_route`` does when no route serves ``spec``.
+    """
+    if not spec.fp8_kv:
+        return spec.q_dtype
+    if forced is not None:
+        choices: tuple[RouteChoice, ...] = (choose_route(spec, platform, forced),)
+    else:
+        choices = route_set(spec, platform)
+    if all(ROUTES[c.name].fp8_query for c in choices):
+        return torch.float8_e4m3fn
+    return spec.q_dtype
+
+
 class MLADecoder:
     """Absorbed-MLA paged decode for one group of layers sharing a ``DecodeSpec``.
 
@@ -201,7 +224,7 @@ class MLADecoder:
         if self._batch is None:
             raise RuntimeError("MLADecoder.run called before plan()")
         check_run_inputs(self.spec, self._batch, query, kv_cache, out)
-        if out is None:
+        if out is None and not self.route.own_output:
             out = query.new_empty(
                 query.shape[0], query.shape[1], self.spec.kv_lora_rank,
                 dtype=self.output_dtype,

@@ -3,10 +3,11 @@
 Eligibility (what a route *can* serve) lives with each route; this module only orders names.
 The evidence for each order and threshold is in docs/benchmarks.md ("Route policy").
 
-On SM90 the order may depend on the step's batch (``BatchShape``): FlashMLA overtakes
-FlashInfer FA3 on large batches whose KV lengths are long and spread out. FP8 caches with
-few heads go to the plugin's own Triton kernel. Everything else ranks per ``DecodeSpec``
-alone.
+On SM90 FP8 caches go to FlashMLA's dense FP8 kernel (2.6-5x faster than any route that
+reads FP8 with a bf16 query; the others stay behind it for installs without that kernel).
+For bf16 caches the order may depend on the step's batch (``BatchShape``): FlashMLA
+overtakes FlashInfer FA3 on large batches whose KV lengths are long and spread out.
+Everything else ranks per ``DecodeSpec`` alone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .spec import DecodeSpec
 
 REFERENCE = "torch-reference"
 FA3, FLASHMLA, FA2 = "flashinfer-fa3", "flashmla", "flashinfer-fa2"
+FLASHMLA_FP8 = "flashmla-fp8"
 TRITON = "triton-balanced"
 
 # SM100/SM103: TRTLLM-gen is the kernel the plugin exists for; FlashInfer's CuTe DSL MLA
@@ -27,11 +29,12 @@ BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 # batches of ``hopper_prefers_flashmla``.
 HOPPER = (FA3, FLASHMLA, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, FA2, REFERENCE)
-# SM90, FP8 cache, few heads, one query token, batches of TRITON_FP8_MIN_BATCH or more:
-# FlashInfer FA3 reads FP8 at 9-15% of the copy ceiling, slower than its own bf16 path; the
-# plugin's page-balanced Triton kernel is 1.3-2x faster there (FlashMLA's dense decode
-# takes no FP8 cache).
-HOPPER_FP8_FEW_HEADS = (TRITON, FA3, FA2, REFERENCE)
+# SM90, FP8 cache: FlashMLA's dense FP8 kernel (FP8 query) first for every batch. Behind it,
+# for installs without that kernel, the bf16-query routes: FlashInfer FA3 reads FP8 at 9-15%
+# of the copy ceiling; the plugin's page-balanced Triton kernel is 1.3-2x faster than FA3
+# for few heads, one query token and batches of TRITON_FP8_MIN_BATCH or more.
+HOPPER_FP8 = (FLASHMLA_FP8, FA3, FA2, REFERENCE)
+HOPPER_FP8_FEW_HEADS = (FLASHMLA_FP8, TRITON, FA3, FA2, REFERENCE)
 AMPERE_ADA = (FA2, REFERENCE)
 OTHER = (REFERENCE,)
 
@@ -157,8 +160,8 @@ def rank(
     if platform.capability in ((10, 0), (10, 3)):
         return BLACKWELL
     if major == 9:
-        if hopper_prefers_triton(spec, shape):
-            return HOPPER_FP8_FEW_HEADS
+        if spec.fp8_kv:
+            return HOPPER_FP8_FEW_HEADS if hopper_prefers_triton(spec, shape) else HOPPER_FP8
         return HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
     if platform.capability >= (8, 0):
         return AMPERE_ADA
@@ -169,6 +172,8 @@ def rankings(spec: DecodeSpec, platform: Platform) -> tuple[tuple[str, ...], ...
     """Every ranking ``rank`` can return for ``spec`` on ``platform`` over all batches
     (a decoder builds the first eligible route of each)."""
     if platform.kind == "cuda" and platform.capability and platform.capability[0] == 9:
-        fp8 = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()
-        return (HOPPER, HOPPER_FLASHMLA_FIRST, *fp8)
+        if spec.fp8_kv:
+            few_heads = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()
+            return (HOPPER_FP8, *few_heads)
+        return (HOPPER, HOPPER_FLASHMLA_FIRST)
     return (rank(spec, platform),)

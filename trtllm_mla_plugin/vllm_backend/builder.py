@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,12 +18,10 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..log import logger_name
-from ..ops import DecodeBatch, DecodeSpec, MLADecoder
+from ..ops import DecodeBatch, MLADecoder
+from .decode_spec import forced_route, model_decode_spec
 
 logger = init_logger(logger_name(__name__))
-
-#: Force one decode route by name (tests, benchmarks, debugging); unset = the policy's pick.
-ROUTE_ENV_VAR = "TRTLLM_MLA_DECODE_ROUTE"
 
 
 @dataclass
@@ -37,18 +34,6 @@ class TrtllmMLADecodeMetadata(MLACommonDecodeMetadata):
 @dataclass
 class TrtllmMLAMetadata(MLACommonMetadata[TrtllmMLADecodeMetadata]):
     pass
-
-
-def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the latent cache as the decode routes see it (FP8 caches are stored as
-    bytes by vLLM and viewed as ``float8_e4m3fn``)."""
-    if cache_dtype.startswith("fp8"):
-        return torch.float8_e4m3fn
-    if cache_dtype == "auto":
-        return model_dtype
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}[
-        cache_dtype
-    ]
 
 
 class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
@@ -67,17 +52,25 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, TrtllmMLAMetadata)
         layer = self.compilation_config.static_forward_context[layer_names[0]]
-        model_dtype = self.model_config.dtype
-        spec = DecodeSpec(
+        spec = model_decode_spec(
+            vllm_config,
+            device,
+            block_size=kv_cache_spec.block_size,
             num_heads=self.num_heads,
             kv_lora_rank=self.mla_dims.kv_lora_rank,
             rope_dim=self.mla_dims.qk_rope_head_dim,
-            block_size=kv_cache_spec.block_size,
-            q_dtype=model_dtype,
-            kv_dtype=kv_cache_torch_dtype(vllm_config.cache_config.cache_dtype, model_dtype),
             softmax_scale=float(layer.scale),
             max_q_len=self.reorder_batch_threshold,
         )
+        if spec.q_dtype != layer.impl.decode_q_dtype:
+            # The impl chose the query dtype from the configured block size; a kernel block
+            # size vLLM picked differently must not silently change it.
+            raise ValueError(
+                f"TRTLLM_MLA: decode query dtype {spec.q_dtype} for kernel block size "
+                f"{kv_cache_spec.block_size} differs from {layer.impl.decode_q_dtype} chosen "
+                f"for block size {vllm_config.cache_config.block_size}; pass --block-size "
+                f"{kv_cache_spec.block_size}"
+            )
         self._seq_lens_host: torch.Tensor | None = None
         max_batch = vllm_config.scheduler_config.max_num_seqs
         cudagraph_mode = self.compilation_config.cudagraph_mode
@@ -85,7 +78,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         # The persistent decoder: one per KV-cache group, planned once per step and shared
         # by every layer of the group, so its buffers keep stable addresses for CUDA graphs.
         self.decoder = MLADecoder(
-            spec, device, max_batch, route=os.environ.get(ROUTE_ENV_VAR), cuda_graph=full_graphs
+            spec, device, max_batch, route=forced_route(), cuda_graph=full_graphs
         )
         if self.decoder.route_name == "torch-reference" and device.type == "cuda":
             logger.warning_once(

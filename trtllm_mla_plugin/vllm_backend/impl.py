@@ -7,12 +7,13 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.platforms import current_platform
-from vllm.v1.attention.backend import AttentionLayer
+from vllm.v1.attention.backend import AttentionLayer, max_decode_query_len
 
 from ..log import logger_name
 from ..ops import KVScales
 from .builder import TrtllmMLAMetadata
 from .capabilities import feature_reasons, raise_if_any
+from .decode_spec import model_decode_spec
 from .prefill import prefer_flashinfer_prefill
 
 logger = init_logger(logger_name(__name__))
@@ -61,9 +62,20 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
             kv_sharing_target_layer_name,
             **mla_args,
         )
-        # Decode queries stay in the model dtype (real values, so forward_mqa passes
-        # q_scale 1); a route whose kernel wants an FP8 query quantises it itself.
-        self.supports_quant_query_input = False
+        # vLLM quantises the decode query to FP8 (fused with the concat, with the layer's
+        # q_scale) only when the decode routes read an FP8 query anyway; otherwise it stays
+        # in the model dtype, in real values.
+        self.decode_q_dtype = model_decode_spec(
+            vllm_config,
+            torch.device("cuda") if current_platform.is_cuda() else torch.device("cpu"),
+            block_size=vllm_config.cache_config.block_size,
+            num_heads=num_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            rope_dim=self.qk_rope_head_dim,
+            softmax_scale=scale,
+            max_q_len=max_decode_query_len(vllm_config),
+        ).q_dtype
+        self.supports_quant_query_input = self.decode_q_dtype == torch.float8_e4m3fn
         if not current_platform.is_cuda():
             self._use_flashinfer_concat_mla_k = False
         else:
@@ -111,10 +123,10 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
-        decoder = attn_metadata.decode.decoder
-        # The query arrives in real values (supports_quant_query_input is off), and MLA's
-        # single latent cache is quantised with k_scale for both its K and V roles (as in
-        # vLLM's FlashInfer and Triton MLA backends).
+        # An FP8 query was quantised by vLLM with q_scale; a wider one is in real values.
+        # MLA's single latent cache is quantised with k_scale for both its K and V roles (as
+        # in vLLM's FlashMLA, FlashInfer and Triton MLA backends).
+        q_scale = layer._q_scale_float if self.supports_quant_query_input else 1.0
         k_scale = layer._k_scale_float
-        scales = KVScales(q_scale=1.0, k_scale=k_scale, v_scale=k_scale)
-        return decoder.run(q, kv_c_and_k_pe_cache, scales=scales), None
+        scales = KVScales(q_scale=q_scale, k_scale=k_scale, v_scale=k_scale)
+        return attn_metadata.decode.decoder.run(q, kv_c_and_k_pe_cache, scales=scales), None

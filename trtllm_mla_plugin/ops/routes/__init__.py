@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import DecodeRoute
 from .flashinfer_mla import FlashInferFA2Route, FlashInferFA3Route
 from .flashmla import FlashMLARoute
+from .flashmla_fp8 import FlashMLAFP8Route
 from .torch_reference import TorchReferenceRoute
 from .triton_balanced import TritonBalancedRoute
 from .trtllm_gen import CuteDslRoute, TrtllmGenRoute
@@ -14,6 +15,7 @@ ROUTES: dict[str, type[DecodeRoute]] = {
     for route in (
         TrtllmGenRoute,
         CuteDslRoute,
+        FlashMLAFP8Route,
         FlashInferFA3Route,
         FlashMLARoute,
         TritonBalancedRoute,

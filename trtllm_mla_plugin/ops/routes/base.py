@@ -73,6 +73,12 @@ class DecodeRoute(ABC):
     #: decoder from ``ops.policy`` before each ``plan``).
     supports_length_sort: ClassVar[bool] = False
     sort_by_length: bool = False
+    #: With an FP8 cache the kernel reads an FP8 query: the route quantises a wider query
+    #: itself, and an engine may hand over an FP8 query instead (``engine_query_dtype``).
+    fp8_query: ClassVar[bool] = False
+    #: ``run`` accepts ``out=None`` and then returns a tensor of its own (kernels that
+    #: allocate their output save a copy).
+    own_output: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -108,4 +114,5 @@ class DecodeRoute(ABC):
     ) -> torch.Tensor:
         """Attend ``query`` ``[num_tokens, heads, Dc + Dr]`` over ``kv_cache``
         ``[num_blocks, block_size, Dc + Dr]`` for the planned batch into ``out``
-        ``[num_tokens, heads, Dc]``; returns ``out``."""
+        ``[num_tokens, heads, Dc]``; returns ``out`` (``out`` is ``None`` only for routes
+        with ``own_output``, which then return their own ``[num_tokens, heads, Dc]``)."""

@@ -1,11 +1,9 @@
-"""Hopper route through FlashMLA as bundled in vLLM
+"""Hopper route through FlashMLA's dense decode as bundled in vLLM
 (``vllm.third_party.flashmla.flash_mla_interface``; needs vLLM's ``_flashmla_C`` extension).
 
 FlashMLA takes a uniform query ``[batch, q_len, heads, Dc + Dr]``, 64-token pages and a
-bf16/fp16 cache of the query's dtype (its FP8 path uses another entry point and cache
-format). Ragged query lengths are padded here: a request with ``n < q_len`` rows is placed
-in the *last* ``n`` rows of its slot, so with FlashMLA's bottom-right causal mask row ``t``
-still sees ``L - n + t + 1`` keys; the padding rows are computed and dropped.
+bf16/fp16 cache of the query's dtype (FP8 caches go to ``flashmla-fp8``, another entry point).
+Ragged query lengths are padded (``RightAlignedQuery``).
 
 Scheduling metadata is created per step in ``plan`` and filled by the first ``run`` of the
 step (FlashMLA computes it on the device from the sequence lengths), then reused by the
@@ -24,6 +22,77 @@ from ..spec import DecodeBatch, DecodeSpec, KVScales
 from .base import DecodeRoute, StagedTables, module_available
 
 FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
+#: FlashMLA's page size and the (kv_lora_rank, rope_dim) its kernels are compiled for.
+FLASHMLA_BLOCK_SIZE = 64
+FLASHMLA_DIMS = (512, 64)
+
+
+def flashmla_shape_reason(spec: DecodeSpec) -> str | None:
+    """Why FlashMLA's page size or head dims rule ``spec`` out (both FlashMLA routes)."""
+    if spec.block_size != FLASHMLA_BLOCK_SIZE:
+        return (
+            f"block size {spec.block_size}: FlashMLA pages hold {FLASHMLA_BLOCK_SIZE} tokens; "
+            f"start vLLM with --block-size {FLASHMLA_BLOCK_SIZE}"
+        )
+    if (spec.kv_lora_rank, spec.rope_dim) != FLASHMLA_DIMS:
+        return (
+            "FlashMLA needs kv_lora_rank 512 and rope_dim 64, got "
+            f"{spec.kv_lora_rank}/{spec.rope_dim}"
+        )
+    return None
+
+
+class RightAlignedQuery:
+    """FlashMLA's uniform ``[batch, q_len, heads, D]`` query for batches whose requests
+    have different query lengths.
+
+    A request with ``n < q_len`` rows is placed in the *last* ``n`` rows of its slot, so
+    with FlashMLA's bottom-right causal mask row ``t`` still sees ``L - n + t + 1`` keys;
+    the padding rows are computed and dropped. Buffers are persistent (CUDA graphs).
+    """
+
+    def __init__(self, spec: DecodeSpec, max_batch_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        rows = max_batch_size * spec.max_q_len
+        self.heads, self.dim = spec.num_heads, spec.head_dim
+        #: Padded-slot index of every query row of the planned batch.
+        self.slot = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.padded = torch.zeros(rows, spec.num_heads, spec.head_dim, dtype=dtype,
+                                  device=device)
+        self.ragged = False
+        self._b = self._m = self._t = 0
+
+    def plan(self, batch: DecodeBatch) -> None:
+        """Lay out ``batch``'s rows (device work only for ragged batches)."""
+        self._b, self._m, self._t = batch.batch_size, batch.max_q_len, batch.num_tokens
+        self.ragged = not batch.uniform_q_len
+        if not self.ragged:
+            return
+        m, t = self._m, self._t
+        cu = batch.cu_seqlens_q.to(torch.int64)
+        rows = torch.arange(t, device=cu.device)
+        req = torch.searchsorted(cu[1:], rows, right=True)
+        self.slot[:t].copy_(req * m + m - (cu[req + 1] - rows), non_blocking=True)
+        # Padding rows stay finite so no NaN is produced from garbage.
+        self.padded[: self._b * m].zero_()
+
+    def gather(self, query: torch.Tensor) -> torch.Tensor:
+        """``query [tokens, heads, D]`` -> ``[batch, q_len, heads, D]``."""
+        b, m = self._b, self._m
+        if not self.ragged:
+            return query.view(b, m, self.heads, self.dim)
+        padded = self.padded[: b * m]
+        padded.index_copy_(0, self.slot[: self._t], query)
+        return padded.view(b, m, self.heads, self.dim)
+
+    def scatter(self, result: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Kernel output ``[batch, q_len, heads, Dc]`` -> the caller's rows in ``out``."""
+        rows = result.reshape(self._b * self._m, self.heads, result.shape[-1])
+        if self.ragged:
+            torch.index_select(rows, 0, self.slot[: self._t], out=out)
+        else:
+            out.copy_(rows)
+        return out
 
 
 class FlashMLARoute(DecodeRoute):
@@ -36,22 +105,12 @@ class FlashMLARoute(DecodeRoute):
             return f"FlashMLA dense decode runs on SM90 only; this is {platform.describe()}"
         if not module_available(FLASHMLA_MODULE):
             return "FlashMLA is not importable (it ships inside the CUDA build of vllm)"
-        if spec.block_size != 64:
-            return (
-                f"block size {spec.block_size}: FlashMLA pages hold 64 tokens; start vLLM "
-                "with --block-size 64"
-            )
         if spec.q_dtype not in (torch.bfloat16, torch.float16) or spec.kv_dtype != spec.q_dtype:
             return (
                 "FlashMLA (this route) takes bfloat16/float16 query and cache of the same "
-                f"dtype, got {spec.q_dtype} / {spec.kv_dtype}; FP8 caches go to flashinfer-fa3"
+                f"dtype, got {spec.q_dtype} / {spec.kv_dtype}; FP8 caches go to flashmla-fp8"
             )
-        if (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
-            return (
-                "FlashMLA needs kv_lora_rank 512 and rope_dim 64, got "
-                f"{spec.kv_lora_rank}/{spec.rope_dim}"
-            )
-        return None
+        return flashmla_shape_reason(spec)
 
     def __init__(
         self,
@@ -64,28 +123,15 @@ class FlashMLARoute(DecodeRoute):
         import importlib
 
         self._fm = importlib.import_module(FLASHMLA_MODULE)
-        n, q = max_batch_size, spec.max_q_len
-        self._tables = StagedTables(n, device)
-        # Padded-slot index of every query row (ragged batches only).
-        self._slot = torch.zeros(n * q, dtype=torch.int64, device=device)
-        self._padded_q = torch.zeros(n * q, spec.num_heads, spec.head_dim,
-                                     dtype=spec.q_dtype, device=device)
+        self._tables = StagedTables(max_batch_size, device)
+        self._query = RightAlignedQuery(spec, max_batch_size, spec.q_dtype, device)
         self._batch: DecodeBatch | None = None
         self._meta = None
         self._capture_meta = None
 
     def plan(self, batch: DecodeBatch) -> None:
-        b = batch.batch_size
         self._block_table, self._seq_lens = self._tables.stage(batch)
-        if not batch.uniform_q_len:
-            m, t = batch.max_q_len, batch.num_tokens
-            cu = batch.cu_seqlens_q.to(torch.int64)
-            rows = torch.arange(t, device=cu.device)
-            req = torch.searchsorted(cu[1:], rows, right=True)
-            # Right-align each request's rows in its slot of max_q_len rows.
-            self._slot[:t].copy_(req * m + m - (cu[req + 1] - rows), non_blocking=True)
-            # Padding rows stay finite so no NaN is produced from garbage.
-            self._padded_q[: b * m].zero_()
+        self._query.plan(batch)
         self._meta, _ = self._fm.get_mla_metadata()
         self._capture_meta = None
         self._batch = batch
@@ -106,18 +152,12 @@ class FlashMLARoute(DecodeRoute):
                 f"{self.spec.kv_dtype} cache"
             )
         batch, spec = self._batch, self.spec
-        b, m, t = batch.batch_size, batch.max_q_len, batch.num_tokens
-        ragged = not batch.uniform_q_len
-        if ragged:
-            slot = self._slot[:t]
-            padded = self._padded_q[: b * m]
-            padded.index_copy_(0, slot, query)
-            q = padded.view(b, m, spec.num_heads, spec.head_dim)
-        else:
-            q = query.view(b, m, spec.num_heads, spec.head_dim)
+        b, m = batch.batch_size, batch.max_q_len
+        q = self._query.gather(query)
         # Write straight into ``out`` (one token per request: FlashMLA's ``out=`` failed for
         # q_len > 1 on the H200, docs/benchmarks.md).
-        direct = m == 1 and not ragged and out.is_contiguous() and out.dtype == q.dtype
+        direct = (m == 1 and not self._query.ragged and out.is_contiguous()
+                  and out.dtype == q.dtype)
         result, _ = self._fm.flash_mla_with_kvcache(
             q=q,
             k_cache=kv_cache.unsqueeze(-2),
@@ -130,11 +170,4 @@ class FlashMLARoute(DecodeRoute):
             is_fp8_kvcache=False,
             out=out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,
         )
-        if direct:
-            return out
-        result = result.view(b * m, spec.num_heads, spec.kv_lora_rank)
-        if ragged:
-            torch.index_select(result, 0, self._slot[:t], out=out)
-        else:
-            out.copy_(result)
-        return out
+        return out if direct else self._query.scatter(result, out)

@@ -176,6 +176,7 @@ class _TrtllmMlaRoute(DecodeRoute):
     """Shared plan/run of the two FlashInfer Blackwell MLA decode backends."""
 
     backend: ClassVar[str]
+    fp8_query: ClassVar[bool] = True
 
     def __init__(
         self,

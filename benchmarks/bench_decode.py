@@ -3,11 +3,14 @@
 Usage (one process, on the GPU machine)::
 
     python benchmarks/bench_decode.py --out DIR [--quick] [--noise] [--host]
+        [--random 1,2 [--random-count 40]] [--train 100] [--no-grid]
 
-Writes ``DIR/decode.csv`` (one row per shape x kernel x pass), ``DIR/ceilings.csv`` and
-``DIR/host.csv``, then prints a summary table. Shapes: DeepSeek-V3/Kimi-K2 absorbed MLA
-(latent 512 + rope 64, softmax scale 1/sqrt(192)); lengths all = ctx ("u") or uniform-random
-in [1, ctx] with a fixed seed ("r").
+Writes ``DIR/decode.csv`` (the grid: one row per shape x kernel x pass), ``random-S.csv``
+per random seed S, ``train.csv`` (the policy-fit sweep), ``shapes.jsonl`` (every shape's
+lengths), ``DIR/ceilings.csv`` and ``DIR/host.csv``, then prints summary tables. Shapes:
+DeepSeek-V3/Kimi-K2 absorbed MLA (latent 512 + rope 64, softmax scale 1/sqrt(192));
+lengths all = ctx ("u"), uniform-random in [1, ctx] ("r") or in [lo * ctx, ctx]
+("r0.37"), with a fixed seed per shape.
 
 Per kernel: median time of ``REPS_PER_GRAPH`` calls captured in one CUDA graph (so launch
 gaps do not count; ``triton.testing.do_bench`` median of graph replays, L2 flushed before each
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
+import random
 import subprocess
 import sys
 import time
@@ -34,6 +39,7 @@ from decode_kernels import (
     Case,
     Kernel,
     decoder_kernel,
+    flashmla_fp8_peer,
     flashmla_peer,
     plugin_kernels,
     triton_peer,
@@ -92,6 +98,33 @@ SWEEP = [FULL[i] for i in (1, 4, 29, 30, 31, 36)]
 SWEEP_TILES = [(32, 4, 3), (32, 4, 4), (64, 8, 2), (32, 8, 3), (64, 4, 2), (16, 4, 4)]
 SWEEP_CTAS_PER_SM = (1, 2)
 CHECK_MAX_TOKENS = 300 * K  # float32 reference on shapes up to this many KV tokens
+#: Random shapes: heads per rank (DeepSeek-V3 128 / Kimi-K2 64 heads at TP 1-16), batch
+#: log-uniform in [1, 512], longest request log-uniform in [256, 64k], q_len 1-4, bf16 or
+#: FP8 cache, lengths uniform (30%) or uniform in [lo * ctx, ctx] with lo in [0, 0.9].
+RANDOM_HEADS = (8, 16, 32, 64, 128)
+#: KV tokens of one random shape at most (batch halved until it fits): a layer's decode
+#: over 2M tokens is ~2.3 GB of bf16 cache, more than a rank holds per layer in practice.
+RANDOM_MAX_KV_TOKENS = 2 * 1024 * 1024
+
+
+def random_shapes(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8)) -> list[tuple]:
+    """``count`` seeded random shapes (see ``RANDOM_HEADS``); a shape's lengths are drawn in
+    ``make_case`` from its own seed."""
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(count):
+        heads = rng.choice(RANDOM_HEADS)
+        b = max(1, round(2 ** rng.uniform(0, 9)))
+        ctx = round(2 ** rng.uniform(8, 16))
+        m = rng.choice((1, 1, 1, 2, 3, 4))
+        kvd = rng.choice(kv_kinds)
+        lo = None if rng.random() < 0.3 else rng.uniform(0.0, 0.9)
+        kind = "u" if lo is None else f"r{lo:.2f}"
+        mean = ctx if lo is None else ctx * (1 + lo) / 2
+        while b > 1 and b * mean > RANDOM_MAX_KV_TOKENS:
+            b //= 2
+        shapes.append((heads, b, ctx, kind, m, kvd, 64))
+    return shapes
 
 
 def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
@@ -100,7 +133,8 @@ def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
     if kind == "u":
         lens = [ctx] * b
     else:
-        lens = torch.randint(max(m, 1), ctx + 1, (b,), generator=g).tolist()
+        low = max(m, 1, int(float(kind[1:] or 0) * ctx))
+        lens = torch.randint(low, ctx + 1, (b,), generator=g).tolist()
     need = [-(-n // block) for n in lens]
     width = -(-ctx // block)
     nblocks = sum(need) + 1
@@ -121,7 +155,8 @@ def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
     spec = DecodeSpec(heads, DC, DR, block, torch.bfloat16, kv_dtype, SCALE, max_q_len=m)
     batch = DecodeBatch(table.to(device), torch.tensor(lens, dtype=torch.int32, device=device),
                         max_seq_len=max(lens), max_q_len=m, kv_tokens=sum(lens))
-    name = f"h{heads} b{b} {ctx // K}k {kind} q{m} {kvd} p{block}"
+    size = f"{ctx // K}k" if ctx % K == 0 else str(ctx)
+    name = f"h{heads} b{b} {size} {kind} q{m} {kvd} p{block}"
     case = Case(name, spec, batch, query, caches, lens, m)
     case.info["with_fa2"] = shape in FA2_SHAPES
     return case
@@ -169,26 +204,39 @@ def reference(case: Case) -> torch.Tensor:
     )
 
 
-def kernels_for(case: Case) -> list[Kernel]:
+def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
+    """Kernels timed per shape. ``grid``: everything, levers included; ``random``: the
+    plugin and every peer; ``train``: the routes the bf16 policy picks between."""
+    if mode == "train":
+        return plugin_kernels(case, policy_only=True)
     ks = plugin_kernels(case)
-    ks.append(flashmla_peer(case))
-    if case.batch.max_seq_len != min(case.lens_host) and case.q_len == 1:
-        ks.append(flashmla_peer(case, sort=True))
+    if case.spec.fp8_kv:
+        ks.append(flashmla_fp8_peer(case))
+    else:
+        ks.append(flashmla_peer(case))
+        ragged = case.batch.max_seq_len != min(case.lens_host)
+        if mode == "grid" and ragged and case.q_len == 1:
+            ks.append(flashmla_peer(case, sort=True))
     ks.append(triton_peer(case))
     return ks
 
 
-def bench_shape(shape: tuple, idx: int, device, writer, pass_no: int, summary: list) -> None:
+def bench_shape(shape: tuple, idx: int, device, writer, pass_no: int, summary: list,
+                mode: str = "grid", shapes_log=None) -> None:
     case = make_case(shape, seed=idx, device=device)
+    if shapes_log is not None:
+        shapes_log.write(json.dumps({"shape": case.name, "seed": idx, "mode": mode,
+                                     "lens": case.lens_host}) + "\n")
     nbytes, flops = bytes_flops(case)
     check = sum(case.lens_host) * case.q_len <= CHECK_MAX_TOKENS
     ref = reference(case) if check else None
     heads, b, ctx, kind, m, kvd, block = shape
     row0 = dict(pass_no=pass_no, shape=case.name, heads=heads, batch=b, ctx=ctx, lens=kind,
-                q_len=m, kv=kvd, block=block, kv_tokens=sum(case.lens_host), bytes=nbytes,
-                flops=flops, spread=round(max(case.lens_host) * b / sum(case.lens_host), 3))
+                q_len=m, kv=kvd, block=block, kv_tokens=sum(case.lens_host),
+                max_len=max(case.lens_host), bytes=nbytes, flops=flops,
+                spread=round(max(case.lens_host) * b / sum(case.lens_host), 3))
     times = {}
-    for k in kernels_for(case):
+    for k in kernels_for(case, mode):
         row = dict(row0, kernel=k.name, status="ok", us="", pct_copy="", tflops="", rel_err="")
         if k.absent:
             row["status"] = "absent: " + k.absent
@@ -372,6 +420,12 @@ def main() -> None:
     ap.add_argument("--shapes", type=str, default=None,
                     help="comma-separated indices into FULL (instead of the full grid)")
     ap.add_argument("--no-prewarm", action="store_true")
+    ap.add_argument("--no-grid", action="store_true", help="skip the fixed grid")
+    ap.add_argument("--random", type=str, default=None,
+                    help="comma-separated seeds of random shape sets (random-SEED.csv)")
+    ap.add_argument("--random-count", type=int, default=40)
+    ap.add_argument("--train", type=int, default=0,
+                    help="bf16 random shapes (seed 101) timed on the policy's routes only")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -398,24 +452,44 @@ def main() -> None:
         print(f"sweep total {time.time() - t_start:.0f} s")
         return
     fields = ["pass_no", "shape", "heads", "batch", "ctx", "lens", "q_len", "kv", "block",
-              "kv_tokens", "spread", "bytes", "flops", "kernel", "status", "us", "pct_copy",
-              "tflops", "rel_err"]
+              "kv_tokens", "max_len", "spread", "bytes", "flops", "kernel", "status", "us",
+              "pct_copy", "tflops", "rel_err"]
     summary: list = []
     shapes = THRESHOLD if args.threshold else QUICK if args.quick else FULL
     if args.shapes:
         shapes = [FULL[int(i)] for i in args.shapes.split(",")]
-    with open(args.out / "decode.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for shape in shapes:
-            idx = FULL.index(shape) if shape in FULL else 100 + THRESHOLD.index(shape)
-            bench_shape(shape, idx, device, writer, 1, summary)
-            f.flush()
-            print(f"[{time.time() - t_start:.0f}s] {summary[-1][1]} done", flush=True)
-        if args.noise:
-            for shape in QUICK:
-                bench_shape(shape, FULL.index(shape), device, writer, 2, summary)
+    shapes_log = open(args.out / "shapes.jsonl", "w")  # noqa: SIM115
+    if not args.no_grid:
+        with open(args.out / "decode.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            for shape in shapes:
+                idx = FULL.index(shape) if shape in FULL else 100 + THRESHOLD.index(shape)
+                bench_shape(shape, idx, device, writer, 1, summary, shapes_log=shapes_log)
                 f.flush()
+                print(f"[{time.time() - t_start:.0f}s] {summary[-1][1]} done", flush=True)
+            if args.noise:
+                for shape in QUICK:
+                    bench_shape(shape, FULL.index(shape), device, writer, 2, summary)
+                    f.flush()
+    sets = []
+    if args.random:
+        sets += [(f"random-{s}", int(s), random_shapes(int(s), args.random_count), "random")
+                 for s in args.random.split(",")]
+    if args.train:
+        sets.append(("train", 101, random_shapes(101, args.train, (BF,)), "train"))
+    for label, set_seed, set_shapes, mode in sets:
+        with open(args.out / f"{label}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            for i, shape in enumerate(set_shapes):
+                bench_shape(shape, 1000 * set_seed + i, device, writer, 1,
+                            summary if mode == "random" else [], mode, shapes_log)
+                f.flush()
+                shapes_log.flush()
+            print(f"[{time.time() - t_start:.0f}s] {label}: {len(set_shapes)} shapes done",
+                  flush=True)
+    shapes_log.close()
     if args.host:
         with open(args.out / "host.csv", "w", newline="") as f:
             cols = ["shape", "route"] + [f"{a}_{b}" for a in ("decoder", "bare")

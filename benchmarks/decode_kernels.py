@@ -9,16 +9,19 @@ cannot run here; the reason is reported, never dropped.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype
 from trtllm_mla_plugin.ops.platform import platform_of
 from trtllm_mla_plugin.ops.routes import ROUTES
 
 FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
+FLASHMLA_FP8_MODULE = "vllm._flashmla_extension_C"
 TRITON_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 @dataclass
@@ -48,10 +51,24 @@ class Kernel:
     obj: object = None  # the decoder, for host-overhead measurements
 
 
+def fp8_query(query: torch.Tensor) -> torch.Tensor:
+    """``query`` as vLLM hands it to an FP8-query decode (q_scale 1: saturated to e4m3)."""
+    return query.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def decoder_kernel(
-    name: str, case: Case, route: str | None, sort: bool | None = None
+    name: str, case: Case, route: str | None, sort: bool | None = None,
+    engine_query: bool = False,
 ) -> Kernel:
+    """``MLADecoder`` (``route=None``: the policy's pick per batch). ``engine_query``: the
+    query dtype vLLM would hand over (``engine_query_dtype``: FP8 for FP8-query routes) and
+    no output buffer where the route returns its own, as the engine calls it."""
     spec, device = case.spec, case.query.device
+    query = case.query
+    if engine_query:
+        spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), route))
+        if spec.q_dtype == FP8:
+            query = fp8_query(query)
     if route is not None:
         reason = ROUTES[route].unsupported_reason(spec, platform_of(device))
         if reason is not None:
@@ -61,22 +78,33 @@ def decoder_kernel(
     dec.plan(case.batch)
     out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
                       dtype=dec.output_dtype, device=device)
+    own = engine_query and dec.route.own_output
 
     def call(cache: torch.Tensor) -> torch.Tensor:
-        return dec.run(case.query, cache, out=out)
+        return dec.run(query, cache, out=None if own else out)
 
     return Kernel(name, call, out=out, obj=dec)
 
 
-def plugin_kernels(case: Case) -> list[Kernel]:
-    """The plugin's dispatch and each plugin route forced (FA3 also with sorting off, which
-    is FlashInfer's wrapper as any caller would use it)."""
-    ks = [decoder_kernel("plugin", case, None)]
-    ks[0].name = f"plugin[{ks[0].obj.route.name}]"
+def plugin_kernels(case: Case, policy_only: bool = False) -> list[Kernel]:
+    """The plugin's dispatch (as vLLM calls it) and each plugin route forced (FA3 also with
+    sorting off, which is FlashInfer's wrapper as any caller would use it). FP8 caches: the
+    routes with a bf16 query too (the bf16-query accuracy option). ``policy_only``: just the
+    routes the bf16 policy chooses between (policy fits)."""
+    fp8 = case.spec.fp8_kv
+    ks = [] if policy_only else [decoder_kernel("plugin", case, None, engine_query=True)]
+    if ks:
+        ks[0].name = f"plugin[{ks[0].obj.route.name}]"
     ks.append(decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))
     ks.append(decoder_kernel("peer:flashinfer-fa3", case, "flashinfer-fa3", sort=False))
-    ks.append(decoder_kernel("flashmla", case, "flashmla"))
-    ks.append(decoder_kernel("triton-balanced", case, "triton-balanced"))
+    if fp8:
+        ks.append(decoder_kernel("flashmla-fp8-bf16q", case, "flashmla-fp8"))
+    else:
+        ks.append(decoder_kernel("flashmla", case, "flashmla"))
+    if policy_only:
+        return ks
+    if fp8:
+        ks.append(decoder_kernel("triton-balanced", case, "triton-balanced"))
     if case.info.get("with_fa2"):
         ks.append(decoder_kernel("fa2", case, "flashinfer-fa2"))
     reason = ROUTES["trtllm-gen"].unsupported_reason(case.spec, platform_of(case.query.device))
@@ -125,13 +153,40 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
     return Kernel(name, call, out=out4)
 
 
+def flashmla_fp8_peer(case: Case) -> Kernel:
+    """vLLM's FLASHMLA backend on an FP8 cache: FlashMLA's dense FP8 kernel called as
+    ``v1/attention/backends/mla/flashmla.py`` does (FP8 query, scheduling metadata made
+    once per step, outside the timed call)."""
+    name = "peer:vllm-flashmla-fp8"
+    spec, b, m = case.spec, case.batch.batch_size, case.q_len
+    if not spec.fp8_kv or spec.block_size != 64:
+        return Kernel(name, absent="FP8 caches of 64-token pages only")
+    try:
+        importlib.import_module(FLASHMLA_FP8_MODULE)
+        ops = torch.ops._flashmla_extension_C
+    except Exception as exc:
+        return Kernel(name, absent=f"import failed: {exc!r}")
+    q = fp8_query(case.query).view(b, m, spec.num_heads, spec.head_dim)
+    table, lens = case.batch.block_table, case.batch.seq_lens
+    tiles, splits = ops.get_mla_decoding_metadata_dense_fp8(lens, m * spec.num_heads, 1)
+    one = torch.ones(1, dtype=torch.float32, device=q.device)
+
+    def call(cache: torch.Tensor) -> torch.Tensor:
+        out, _ = ops.fwd_kvcache_mla_fp8(
+            q, cache.unsqueeze(-2), spec.kv_lora_rank, lens, table, spec.softmax_scale,
+            True, tiles, splits, one, one)
+        return out.view(b * m, spec.num_heads, spec.kv_lora_rank)
+
+    return Kernel(name, call, out=torch.empty(0, device=q.device))
+
+
 def triton_peer(case: Case) -> Kernel:
     """vLLM's Triton MLA decode (``decode_attention_fwd``, is_mla=True) with vLLM's split
     rule (``triton_mla.py``: next_pow2(max_seq_len // 512) capped at 2 * SMs)."""
     name = "peer:vllm-triton"
     spec, b = case.spec, case.batch.batch_size
-    if case.q_len > 1 or spec.fp8_kv:
-        return Kernel(name, absent="not timed here for q_len > 1 / FP8 (one-token bf16 only)")
+    if case.q_len > 1:
+        return Kernel(name, absent="not timed here for q_len > 1 (one-token decode only)")
     try:
         tri = importlib.import_module(TRITON_MODULE)
         import triton

@@ -86,24 +86,27 @@ def decoder_kernel(
     return Kernel(name, call, out=out, obj=dec)
 
 
-def plugin_kernels(case: Case, policy_only: bool = False) -> list[Kernel]:
-    """The plugin's dispatch (as vLLM calls it) and each plugin route forced (FA3 also with
-    sorting off, which is FlashInfer's wrapper as any caller would use it). FP8 caches: the
-    routes with a bf16 query too (the bf16-query accuracy option). ``policy_only``: just the
-    routes the bf16 policy chooses between (policy fits)."""
+def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
+    """The plugin's dispatch (as vLLM calls it) and plugin routes forced (FA3 also with
+    sorting off, which is FlashInfer's wrapper as any caller would use it; FP8 caches: the
+    routes with a bf16 query too, the bf16-query accuracy option). ``train``: just the
+    routes the bf16 policy chooses between; ``random``: FP8 caches without the slower
+    bf16-query levers."""
     fp8 = case.spec.fp8_kv
-    ks = [] if policy_only else [decoder_kernel("plugin", case, None, engine_query=True)]
-    if ks:
+    ks = []
+    if mode != "train":
+        ks.append(decoder_kernel("plugin", case, None, engine_query=True))
         ks[0].name = f"plugin[{ks[0].obj.route.name}]"
-    ks.append(decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))
+    if not (fp8 and mode == "random"):
+        ks.append(decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))
     ks.append(decoder_kernel("peer:flashinfer-fa3", case, "flashinfer-fa3", sort=False))
     if fp8:
         ks.append(decoder_kernel("flashmla-fp8-bf16q", case, "flashmla-fp8"))
     else:
         ks.append(decoder_kernel("flashmla", case, "flashmla"))
-    if policy_only:
+    if mode == "train":
         return ks
-    if fp8:
+    if fp8 and mode == "grid":
         ks.append(decoder_kernel("triton-balanced", case, "triton-balanced"))
     if case.info.get("with_fa2"):
         ks.append(decoder_kernel("fa2", case, "flashinfer-fa2"))

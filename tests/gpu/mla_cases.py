@@ -28,9 +28,11 @@ FP8 = torch.float8_e4m3fn
 REL_BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 MAX_BOUND = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 FP8_REL_BOUND, FP8_MAX_BOUND = 4e-2, 8e-2
-# Routes that read the query in FP8 (``DecodeRoute.fp8_query``: FlashMLA's FP8 kernel) round
-# it to 3 mantissa bits (and P too, before P.V in FP8): measured 1.4e-2 to 2.4e-2 relative.
-FP8_QUERY_REL_BOUND, FP8_QUERY_MAX_BOUND = 5e-2, 1.5e-1
+# Routes that read the query in FP8 (``DecodeRoute.fp8_query``: FlashMLA's FP8 kernel) are
+# checked against the reference on the FP8 query they read (``reference(p, route)``): the
+# query's rounding is the documented trade (docs/benchmarks.md), the kernel's own error (FP8
+# P.V) must stay inside the FP8 bounds.
+FP8_MAX = 448.0
 
 
 @dataclass
@@ -102,10 +104,14 @@ def make_problem(
     return Problem(spec, batch, query, kv, scales)
 
 
-def reference(p: Problem) -> torch.Tensor:
-    """float64 oracle on the same (possibly FP8) stored values."""
+def reference(p: Problem, route: str | None = None) -> torch.Tensor:
+    """float64 oracle on the same (possibly FP8) stored values; for a route that reads an
+    FP8 query (``DecodeRoute.fp8_query``), on the query rounded as that route rounds it."""
+    query = p.query
+    if route is not None and ROUTES[route].fp8_query and p.spec.fp8_kv and query.dtype != FP8:
+        query = query.clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return mla_decode_reference(
-        p.query.to(torch.float64), p.kv_cache.to(torch.float64), p.batch.block_table,
+        query.to(torch.float64), p.kv_cache.to(torch.float64), p.batch.block_table,
         p.batch.seq_lens, p.spec.softmax_scale, p.spec.kv_lora_rank,
         cu_seqlens_q=p.batch.cu_seqlens_q, max_seq_len=p.batch.max_seq_len, scales=p.scales,
     )
@@ -118,10 +124,7 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return rel, worst
 
 
-def bounds(p: Problem, route: str | None = None) -> tuple[float, float]:
-    """(relative, max) error bounds of ``p`` for ``route`` (``None``: a bf16-query route)."""
-    if p.spec.fp8_kv and route is not None and ROUTES[route].fp8_query:
-        return FP8_QUERY_REL_BOUND, FP8_QUERY_MAX_BOUND
+def bounds(p: Problem) -> tuple[float, float]:
     if p.spec.fp8_kv:
         return FP8_REL_BOUND, FP8_MAX_BOUND
     return REL_BOUND[p.spec.q_dtype], MAX_BOUND[p.spec.q_dtype]

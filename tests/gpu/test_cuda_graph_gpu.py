@@ -78,8 +78,8 @@ def test_graph_replay_after_replan(route: str, schedule: tuple) -> None:
         eager = decoder.run(query, cache)
         rel_eager, _ = errors(out, eager.to(torch.float64))
         assert rel_eager < 1e-3, f"replay differs from eager run: {rel_eager:.2e}"
-        rel, worst = errors(out, reference(p))
+        rel, worst = errors(out, reference(p, route))
         print(f"[graph {route} {schedule[0]}] rel={rel:.2e} max={worst:.2e} "
               f"vs-eager={rel_eager:.1e}")
-        rel_bound, max_bound = bounds(p, route)
+        rel_bound, max_bound = bounds(p)
         assert rel < rel_bound and worst < max_bound, (rel, worst)

@@ -194,7 +194,7 @@ def test_randomized_sweep(route: str) -> None:
             if not torch.isfinite(out).all():
                 failures.append(f"{desc}: NaN/inf left in the output")
                 continue
-            rel, mx = errors(out, reference(p))
+            rel, mx = errors(out, reference(p, route))
         except Exception as exc:  # report the seed; stop on a dead context
             failures.append(f"{desc}: {type(exc).__name__}: {exc}")
             if "CUDA" in str(exc) or "cuda" in type(exc).__name__.lower():
@@ -203,7 +203,7 @@ def test_randomized_sweep(route: str) -> None:
         key = str(p.spec.q_dtype).replace("torch.", "") + ("/fp8" if p.spec.fp8_kv else "")
         old = worst.get(key, (0.0, 0.0))
         worst[key] = (max(old[0], rel), max(old[1], mx))
-        rel_bound, max_bound = bounds(p, route)
+        rel_bound, max_bound = bounds(p)
         if not (rel < rel_bound and mx < max_bound):
             failures.append(f"{desc}: rel={rel:.2e} max={mx:.2e} over {rel_bound}/{max_bound}")
     summary = ", ".join(f"{k} rel<={r:.1e} max<={m:.1e}" for k, (r, m) in sorted(worst.items()))
@@ -276,8 +276,8 @@ def test_big_cache(route: str, kv_kind: str, request: pytest.FixtureRequest) -> 
     small = Problem(spec, DecodeBatch(
         block_table=torch.searchsorted(used, table).to(torch.int32), seq_lens=batch.seq_lens,
         max_seq_len=batch.max_seq_len), query, picked, scales)
-    rel, mx = errors(out, reference(small))
-    rel_bound, max_bound = bounds(small, route)
+    rel, mx = errors(out, reference(small, route))
+    rel_bound, max_bound = bounds(small)
     print(f"[big cache {route} {kv_kind}] {cache.numel()} elements, rel={rel:.2e} max={mx:.2e}")
     assert rel < rel_bound and mx < max_bound, (rel, mx)
 
@@ -361,13 +361,13 @@ def _graph_replays(route: str, q_len: int, pad_len: int, sizes: tuple[int, ...],
         real_problem = Problem(spec, DecodeBatch(
             block_table=batch.block_table[:real], seq_lens=batch.seq_lens[:real],
             max_seq_len=max(lens[:real]), max_q_len=q_len), query[:rows], cache, KVScales())
-        rel, mx = errors(replayed, reference(real_problem))
+        rel, mx = errors(replayed, reference(real_problem, route))
         print(f"{tag} rel={rel:.2e} max={mx:.2e} vs-eager={rel_eager:.1e}")
         assert rel_eager < 1e-3, f"{tag} replay differs from eager: {rel_eager:.2e}"
-        rel_bound, max_bound = bounds(real_problem, route)
+        rel_bound, max_bound = bounds(real_problem)
         assert rel < rel_bound and mx < max_bound, (tag, rel, mx)
         if pad_len > 0:  # padding rows with a key are well defined too
-            pad_ref = reference(Problem(spec, batch, query, cache, KVScales()))
+            pad_ref = reference(Problem(spec, batch, query, cache, KVScales()), route)
             rel_all, _ = errors(out, pad_ref)
             assert rel_all < rel_bound, (tag, "padded rows", rel_all)
     assert padded_steps > 0, "no step exercised a padded batch"

@@ -82,7 +82,12 @@ class RightAlignedQuery:
         if not self.ragged:
             return query.view(b, m, self.heads, self.dim)
         padded = self.padded[: b * m]
-        padded.index_copy_(0, self.slot[: self._t], query)
+        if padded.element_size() == 1:
+            # index_copy_ has no FP8 kernel on CUDA; the bytes are what moves.
+            padded.view(torch.uint8).index_copy_(0, self.slot[: self._t],
+                                                 query.view(torch.uint8))
+        else:
+            padded.index_copy_(0, self.slot[: self._t], query)
         return padded.view(b, m, self.heads, self.dim)
 
     def scatter(self, result: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

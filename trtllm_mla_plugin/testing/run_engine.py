@@ -6,6 +6,9 @@ and vLLM's global state apart.
     python -m trtllm_mla_plugin.testing.run_engine --model DIR --out result.json \
         [--attention-backend NAME] [--prompt-lens 1,16,17] [--max-tokens 12] ...
 
+``--prompts-json FILE`` replaces the generated prompts with given ones, images included
+(see ``load_prompts``): for a multimodal model, which then loads its tokenizer.
+
 The JSON holds, per prompt, the generated token ids and the top-2 logprobs of each step.
 """
 
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 #: Prompts of these lengths cross the CPU block size (16) in every way: one token, one
 #: block minus/plus one, exactly one and two blocks, several blocks.
@@ -24,6 +28,66 @@ DEFAULT_PROMPT_LENS = (1, 5, 15, 16, 17, 32, 33, 70)
 def prompt_ids(length: int, salt: int = 0) -> list[int]:
     """A deterministic prompt of ``length`` token ids below 500."""
     return [(31 * i + 7 * length + salt) % 499 + 1 for i in range(length)]
+
+
+def random_image(width: int, height: int, seed: int) -> Any:
+    """A ``width`` x ``height`` RGB image of uniform noise, reproducible from ``seed``."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def load_prompts(path: str) -> tuple[list[Any], str | None, int]:
+    """Prompts from a JSON file, with their images.
+
+    The file holds ``{"modality": NAME, "prompts": [{"prompt_token_ids": [...],
+    "images": [[width, height, seed], ...]}, ...]}``; each image is ``random_image``. For
+    the ``vision_chunk`` modality (Kimi-K2.5) an image is passed the way vLLM's Kimi-K2.5
+    processor takes it (``{"type": "image", "image": ..., "uuid": None}``).
+
+    Returns:
+        The ``TokensPrompt`` list, the modality (``None`` without images) and the most
+        images any one prompt has.
+    """
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(path).read_text())
+    modality = spec.get("modality", "image")
+    prompts, most = [], 0
+    for entry in spec["prompts"]:
+        images = [random_image(*image) for image in entry.get("images", [])]
+        prompt = TokensPrompt(prompt_token_ids=list(entry["prompt_token_ids"]))
+        if images:
+            if modality == "vision_chunk":
+                images = [{"type": "image", "image": image, "uuid": None} for image in images]
+            prompt["multi_modal_data"] = {modality: images}
+        most = max(most, len(images))
+        prompts.append(prompt)
+    return prompts, modality if most else None, most
+
+
+def _avoid_vllm_llvmlite_crash() -> None:
+    """Work around a vLLM 0.32 (CPU) start-up crash once numba is imported in-process.
+
+    At worker start, ``vllm/triton_utils/dispatcher.py`` ``_rebind_kernels`` (line 139)
+    calls ``vars(value).get("kernel")`` on every attribute of every loaded module. Kimi-K2.5's
+    image processor imports numba, hence llvmlite, whose ``llvmlite.binding.ffi.lib`` (a
+    slotted ``_lib_wrapper`` with a ``__getattr__`` that wraps any name as a C function)
+    answers ``vars()`` with a ``_lib_fn_wrapper``: "AttributeError: '_lib_fn_wrapper' object
+    has no attribute 'get'". With the engine in its own process it does not happen (numba
+    is not loaded there yet); in-process (this script) it always does. Giving the wrapper
+    an empty ``__dict__`` entry in its function table makes that scan skip it; llvmlite
+    never looks a C function up under that name.
+    """
+    try:
+        import llvmlite.binding.ffi as ffi
+    except ImportError:  # no numba, no llvmlite: nothing to work around
+        return
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
 
 
 def main() -> None:
@@ -41,6 +105,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--kv-cache-bytes", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default=None)
+    parser.add_argument("--prompts-json", default=None,
+                        help="prompts (with images) from this file instead of --prompt-lens")
     args = parser.parse_args()
 
     # With the engine core in its own process it starts stepping while LLM.generate is
@@ -54,6 +120,17 @@ def main() -> None:
     from .engine import tiny_engine_kwargs
 
     kwargs = tiny_engine_kwargs(on_gpu=False)
+    if args.prompts_json:
+        prompts, modality, most_images = load_prompts(args.prompts_json)
+    else:
+        lens = [int(x) for x in args.prompt_lens.split(",")]
+        prompts = [TokensPrompt(prompt_token_ids=prompt_ids(n, i)) for i, n in enumerate(lens)]
+        modality, most_images = None, 0
+    if modality is not None:
+        # A multimodal processor needs the model's tokenizer (it ships with the model).
+        kwargs["skip_tokenizer_init"] = False
+        kwargs["limit_mm_per_prompt"] = {modality: most_images}
+        _avoid_vllm_llvmlite_crash()
     if args.attention_backend:
         kwargs["attention_backend"] = args.attention_backend
     if args.attention_config_backend:
@@ -73,11 +150,9 @@ def main() -> None:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
     llm = LLM(model=args.model, dtype="float32", disable_log_stats=False, **kwargs)
 
-    lens = [int(x) for x in args.prompt_lens.split(",")]
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     if len(max_tokens) == 1:
-        max_tokens *= len(lens)
-    prompts = [TokensPrompt(prompt_token_ids=prompt_ids(n, i)) for i, n in enumerate(lens)]
+        max_tokens *= len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=2, ignore_eos=True)
               for m in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)

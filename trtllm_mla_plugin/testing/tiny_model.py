@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import DeepseekV3ForCausalLM
 
 ATTENTION_GAIN = 3.0
 LM_HEAD_GAIN = 8.0
@@ -30,15 +34,32 @@ def build_tiny_deepseek_v3(
     Returns:
         The model directory, loadable by ``vllm.LLM(model=path, skip_tokenizer_init=True)``.
     """
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
     path = Path(path)
     marker = path / "trtllm_mla_tiny.json"
     recipe = dict(num_layers=num_layers, num_heads=num_heads, hidden_size=hidden_size,
                   vocab_size=vocab_size, seed=seed, gains=[ATTENTION_GAIN, LM_HEAD_GAIN])
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return path
+    model = random_deepseek_v3(num_layers=num_layers, num_heads=num_heads,
+                               hidden_size=hidden_size, vocab_size=vocab_size, seed=seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    marker.write_text(json.dumps(recipe))
+    return path
+
+
+def random_deepseek_v3(
+    *,
+    num_layers: int,
+    num_heads: int,
+    hidden_size: int,
+    vocab_size: int,
+    seed: int,
+) -> DeepseekV3ForCausalLM:
+    """The random-weight, attention-gained DeepSeek-V3 language model (not saved)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
     config = DeepseekV3Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -67,7 +88,4 @@ def build_tiny_deepseek_v3(
             if ".self_attn." in name and name.endswith("proj.weight"):
                 param.mul_(ATTENTION_GAIN)
         model.lm_head.weight.mul_(LM_HEAD_GAIN)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    marker.write_text(json.dumps(recipe))
-    return path
+    return model

@@ -428,7 +428,10 @@ def main() -> None:
                     help="comma-separated seeds of random shape sets (random-SEED.csv)")
     ap.add_argument("--random-count", type=int, default=40)
     ap.add_argument("--train", type=int, default=0,
-                    help="bf16 random shapes (seed 101) timed on the policy's routes only")
+                    help="bf16 random shapes timed on the policy's routes only (train.csv)")
+    ap.add_argument("--train-seed", type=int, default=101)
+    ap.add_argument("--kv", choices=("both", BF, F8), default="both",
+                    help="cache dtypes of the random sets")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -477,15 +480,19 @@ def main() -> None:
                     f.flush()
     sets = []
     if args.random:
-        sets += [(f"random-{s}", int(s), random_shapes(int(s), args.random_count), "random")
-                 for s in args.random.split(",")]
+        for s in args.random.split(","):
+            drawn = random_shapes(int(s), args.random_count)
+            kept = [x for x in drawn if args.kv in ("both", x[5])]
+            sets.append((f"random-{s}", int(s), kept, "random", [drawn.index(x) for x in kept]))
     if args.train:
-        sets.append(("train", 101, random_shapes(101, args.train, (BF,)), "train"))
-    for label, set_seed, set_shapes, mode in sets:
+        drawn = random_shapes(args.train_seed, args.train, (BF,))
+        sets.append((f"train-{args.train_seed}", args.train_seed, drawn, "train",
+                     list(range(len(drawn)))))
+    for label, set_seed, set_shapes, mode, indices in sets:
         with open(args.out / f"{label}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
-            for i, shape in enumerate(set_shapes):
+            for i, shape in zip(indices, set_shapes, strict=True):
                 bench_shape(shape, 1000 * set_seed + i, device, writer, 1,
                             summary if mode == "random" else [], mode, shapes_log)
                 f.flush()

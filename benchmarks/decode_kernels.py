@@ -143,15 +143,16 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
         if perm is not None:
             torch.index_select(q, 0, perm, out=q_sorted)
             qq = q_sorted
-        fm.flash_mla_with_kvcache(
+        # vLLM's FLASHMLA passes no ``out=`` (FlashMLA's ``out=`` fails for q_len > 1).
+        result, _ = fm.flash_mla_with_kvcache(
             q=qq, k_cache=cache.unsqueeze(-2), block_table=table, cache_seqlens=lens,
             head_dim_v=spec.kv_lora_rank, tile_scheduler_metadata=meta,
-            softmax_scale=spec.softmax_scale, causal=m > 1, out=out4,
+            softmax_scale=spec.softmax_scale, causal=m > 1, out=out4 if m == 1 else None,
         )
         if perm is not None:
-            out.index_copy_(0, perm, out4)
+            out.index_copy_(0, perm, result)
             return out.view(b * m, spec.num_heads, spec.kv_lora_rank)
-        return out4.view(b * m, spec.num_heads, spec.kv_lora_rank)
+        return result.view(b * m, spec.num_heads, spec.kv_lora_rank)
 
     return Kernel(name, call, out=out4)
 

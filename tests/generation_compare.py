@@ -9,12 +9,13 @@ LOGPROB_ATOL = 1e-3
 NEAR_TIE = 1e-3
 
 
-def compare_generations(ours: dict, ref: dict) -> list[str]:
+def compare_generations(ours: dict, ref: dict, logprob_atol: float = LOGPROB_ATOL
+                        ) -> list[str]:
     """Problems found (empty when the generations agree).
 
     Tokens must be equal step by step; a divergence is accepted only at an exact near-tie in
     the reference (after it, the sequences legitimately differ and are not compared).
-    Logprobs of the reference's token must agree to ``LOGPROB_ATOL`` up to that point.
+    Logprobs of the reference's token must agree to ``logprob_atol`` up to that point.
     """
     problems = []
     assert len(ours["prompts"]) == len(ref["prompts"])
@@ -22,7 +23,7 @@ def compare_generations(ours: dict, ref: dict) -> list[str]:
         for step, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"], strict=True)):
             ref_lp, our_lp = b["logprobs"][step], a["logprobs"][step]
             key = str(tb)
-            if key in our_lp and abs(our_lp[key] - ref_lp[key]) > LOGPROB_ATOL:
+            if key in our_lp and abs(our_lp[key] - ref_lp[key]) > logprob_atol:
                 problems.append(
                     f"prompt {i} (len {b['prompt_len']}) step {step}: logprob of {tb} "
                     f"{our_lp[key]:.6f} vs {ref_lp[key]:.6f}"
@@ -36,3 +37,20 @@ def compare_generations(ours: dict, ref: dict) -> list[str]:
                     )
                 break
     return problems
+
+
+def compare_schedules(ours: dict, ref: dict) -> list[str]:
+    """Problems if the two runs did not batch their requests identically step by step.
+
+    vLLM CPU's float32 numbers depend on the batch mix (1e-2 and more in logprob), so two
+    backends are comparable only on identical schedules (``run_engine``'s ``schedule``).
+    """
+    a, b = ours.get("schedule"), ref.get("schedule")
+    if a is None or b is None:
+        return ["a run recorded no schedule"]
+    for step, (x, y) in enumerate(zip(a, b, strict=False)):  # length checked below
+        if x != y:
+            return [f"step {step} batched {x} vs {y} in the reference"]
+    if len(a) != len(b):
+        return [f"{len(a)} steps vs {len(b)} in the reference"]
+    return []

@@ -9,7 +9,15 @@ and vLLM's global state apart.
 ``--prompts-json FILE`` replaces the generated prompts with given ones, images included
 (see ``load_prompts``): for a multimodal model, which then loads its tokenizer.
 
-The JSON holds, per prompt, the generated token ids and the top-2 logprobs of each step.
+The JSON holds, per prompt, the generated token ids and the top-2 logprobs of each step,
+and the engine's batch schedule (which requests ran how many tokens in each step).
+
+The engine core always runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, also
+with ``--tensor-parallel-size 2``, whose workers are processes either way). In its own
+process the core starts stepping while requests are still arriving, so the batch mix, and
+with it vLLM CPU's float32 numbers, change from run to run: at TP=2 vLLM's own CPU_MLA
+moved by up to 0.14 in logprob between two such runs. Two backends are only comparable on
+identical schedules, which the ``schedule`` field lets a test check.
 """
 
 from __future__ import annotations
@@ -90,6 +98,31 @@ def _avoid_vllm_llvmlite_crash() -> None:
         table.setdefault("__dict__", {})
 
 
+def record_schedule(llm: Any) -> list[list[list]] | None:
+    """Start recording the in-process engine's schedule; returns the list it fills.
+
+    One entry per engine step: ``[[request, tokens], ...]`` sorted by request, where
+    ``request`` is the index ``LLM.generate`` gave the request (vLLM's id before any
+    suffix). ``None`` when the scheduler is not in this process.
+    """
+    client = getattr(llm.llm_engine, "engine_core", None)
+    scheduler = getattr(getattr(client, "engine_core", None), "scheduler", None)
+    if scheduler is None:
+        return None
+    steps: list[list[list]] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        if output.total_num_scheduled_tokens:
+            steps.append(sorted([str(rid).split("-")[0], int(n)]
+                                for rid, n in output.num_scheduled_tokens.items()))
+        return output
+
+    scheduler.schedule = recording_schedule
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -107,13 +140,16 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default=None)
     parser.add_argument("--prompts-json", default=None,
                         help="prompts (with images) from this file instead of --prompt-lens")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="on CPU, TP=2 also needs VLLM_CPU_OMP_THREADS_BIND (e.g. '0|1')")
     args = parser.parse_args()
 
     # With the engine core in its own process it starts stepping while LLM.generate is
     # still adding requests, so batch mixes (and vLLM CPU's float32 numbers, which depend
     # on them at the 1e-2 level) vary between runs. In-process, every request is queued
-    # before the first step: two runs of one backend are bit-identical.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # before the first step: two runs of one backend are bit-identical. Forced, not
+    # defaulted: an exported VLLM_ENABLE_V1_MULTIPROCESSING=1 made TP=2 comparisons flaky.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -148,7 +184,10 @@ def main() -> None:
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.kv_cache_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
+    if args.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     llm = LLM(model=args.model, dtype="float32", disable_log_stats=False, **kwargs)
+    schedule = record_schedule(llm)
 
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     if len(max_tokens) == 1:
@@ -166,6 +205,7 @@ def main() -> None:
             {"prompt_len": len(out.prompt_token_ids), "token_ids": list(completion.token_ids),
              "logprobs": steps}
         )
+    result["schedule"] = schedule
     result["num_preemptions"] = sum(
         m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
     )

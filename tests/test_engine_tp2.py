@@ -32,7 +32,10 @@ def test_tp2_trtllm_mla_matches_vllm_cpu_mla(engine):
     # float32 weights ("expect weight to be bfloat16, float16, int8, ...").
     ref = engine(*TP2_ARGS, "--attention-backend", "CPU_MLA", env=TP2_ENV)
     assert ref.returncode == 0, ref.log[-3000:]
-    ours = engine(*TP2_ARGS, env={**TP2_ENV, "VLLM_ATTENTION_BACKEND": "TRTLLM_MLA"})
+    # --attention-backend, not the environment variable: the workers unpickle the selected
+    # backend before they load plugins (it failed so until the enum member pickled through
+    # the plugin's registration).
+    ours = engine(*TP2_ARGS, "--attention-backend", "TRTLLM_MLA", env=TP2_ENV)
     assert ours.returncode == 0, ours.log[-3000:]
 
     for run in (ref, ours):

@@ -132,12 +132,28 @@ def test_sort_rule():
 
 
 def test_kv_tokens_only_counted_when_it_matters():
-    assert not policy.wants_kv_tokens(spec(16), BatchShape(8, 1, 4 * K))
+    assert not policy.wants_kv_tokens(spec(16), BatchShape(8, 1, 4 * K))  # small: FA3 anyway
     assert policy.wants_kv_tokens(spec(16), BatchShape(64, 1, 16 * K))  # ragged decides
-    assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 16 * K))  # long: flashmla
-    assert policy.wants_kv_tokens(spec(16), BatchShape(256, 1, 4 * K))
     assert policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K))
-    assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K, 100))
+    assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1, 4 * K, 100))  # given
+    assert not policy.wants_kv_tokens(spec(128), BatchShape(64, 1))  # graphs: no lengths
+
+
+@pytest.mark.parametrize(("heads", "batch"), [
+    (32, shape(1, 47927, 19651)),  # run 12: FA3 41 us, FlashMLA 58
+    (128, shape(1, 62001)),  # FA3 54 us, FlashMLA 69
+    (64, shape(6, 16446, 9374)),  # FA3 45 us, FlashMLA 55
+    (128, shape(2, 20 * K, 12 * K, q=4)),
+])
+def test_flashmla_needs_enough_work(kernels_present, heads, batch):
+    assert choose_route(spec(heads, q_len=batch.max_q_len), H200,
+                        shape=batch).name == "flashinfer-fa3"
+
+
+def test_sort_needs_long_enough_requests():
+    s = spec(32, q_len=4)
+    assert not policy.fa_sort_by_length(s, shape(196, 273, 150, q=4))  # sorted 2.1x slower
+    assert policy.fa_sort_by_length(s, shape(196, 4 * K, 2 * K, q=4))
 
 
 def test_every_ranking_is_listed():

@@ -14,11 +14,15 @@ pytest.importorskip("vllm")
 from trtllm_mla_plugin.registration import BACKEND_NAME, BACKEND_PATH
 
 
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (fresh vLLM registry and plugin state)."""
+def _env_without_selection() -> dict[str, str]:
     import os
 
-    full_env = {k: v for k, v in os.environ.items() if k != "VLLM_ATTENTION_BACKEND"}
+    return {k: v for k, v in os.environ.items() if k != "VLLM_ATTENTION_BACKEND"}
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (fresh vLLM registry and plugin state)."""
+    full_env = _env_without_selection()
     full_env.update(env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
                           capture_output=True, text=True, timeout=300)
@@ -47,6 +51,26 @@ def test_vllm_plugin_loader_registers_backend_idempotently():
     assert f"PATH {BACKEND_PATH}" in proc.stdout
     assert f"CLASS {BACKEND_NAME}" in proc.stdout
     assert "COUNT 1" in proc.stdout
+
+
+def test_selected_backend_unpickles_in_a_process_without_plugins():
+    """vLLM's worker processes unpickle their config (naming the selected backend) before
+    they load plugins: ``--attention-backend TRTLLM_MLA`` with tensor parallelism failed
+    with "... is not a valid AttentionBackendEnum" until the member pickled through
+    ``backend_member``."""
+    import pickle
+
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    load_general_plugins()
+    data = pickle.dumps(AttentionBackendEnum[BACKEND_NAME])
+    code = ("import pickle, sys; m = pickle.loads(sys.stdin.buffer.read()); "
+            "print(m.name, m.get_path())")
+    proc = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True,
+                          env={**_env_without_selection(), "VLLM_PLUGINS": ""}, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert proc.stdout.decode().split() == [BACKEND_NAME, BACKEND_PATH]
 
 
 def test_register_is_cheap_no_cuda_no_flashinfer_no_backend_import():

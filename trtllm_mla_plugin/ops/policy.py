@@ -56,11 +56,19 @@ FLASHMLA_RAGGED_LONG_SEQ = 12 * 1024
 #: ... and uniform ones only from this one (16k uniform: FA3 292 us vs FlashMLA 303 us;
 #: 32k uniform: FlashMLA 609 us vs FA3 640 us in run 5).
 FLASHMLA_UNIFORM_LONG_SEQ = 32 * 1024
+#: ... and in every case only for batches with at least this much work: KV tokens x 64-row
+#: query tiles (ceil(heads * q_len / 64)). Fitted on 390 random shapes (run 12): below it
+#: FA3's lower fixed cost wins (h128 b1 62k: FA3 54 us, FlashMLA 69; h8 b10 46k: 87 vs 102).
+FLASHMLA_MIN_WORK = 200_000
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
 #: when lengths are unknown, as under CUDA graphs); below it the sort costs more than it saves.
 FA_SORT_MIN_BATCH = 128
+#: ... and, when lengths are known, only from this mean length on: the sort's gather and
+#: scatter of the query and output rows outweigh its gain on short requests (run 12:
+#: h32 b196 mean 240 q4 sorted 2.1x slower).
+FA_SORT_MIN_MEAN_LEN = 1024
 #: kv_tokens matters only to batches of at least this many (possible) KV tokens.
 KV_TOKENS_WORTH_COUNTING = 64 * 1024
 
@@ -92,17 +100,12 @@ class BatchShape:
 
 def wants_kv_tokens(spec: DecodeSpec, shape: BatchShape) -> bool:
     """Whether ``kv_tokens`` could change the SM90 choice for ``shape`` (so a caller without
-    it should count it): only when the spread matters and the batch can be large."""
+    it should count it): when the lengths are known but not their sum, and the batch is
+    large enough for the FlashMLA and sort rules to apply."""
+    del spec
     if shape.max_seq_len is None or shape.kv_tokens is not None:
         return False
-    if shape.batch_size * shape.max_seq_len < KV_TOKENS_WORTH_COUNTING:
-        return False
-    if spec.num_heads >= FLASHMLA_MANY_HEADS:
-        return shape.max_seq_len < FLASHMLA_LONG_SEQ
-    if shape.max_seq_len >= FLASHMLA_UNIFORM_LONG_SEQ:
-        return False
-    return (shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ
-            or shape.batch_size >= FA_SORT_MIN_BATCH)
+    return shape.batch_size * shape.max_seq_len >= KV_TOKENS_WORTH_COUNTING
 
 
 def _ragged(shape: BatchShape) -> bool:
@@ -110,9 +113,17 @@ def _ragged(shape: BatchShape) -> bool:
     return spread is not None and spread >= RAGGED_SPREAD
 
 
+def query_tiles(spec: DecodeSpec, max_q_len: int) -> int:
+    """64-row query tiles per request (FA3 and FlashMLA both tile heads x q_len by 64)."""
+    return -(-spec.num_heads * max_q_len // 64)
+
+
 def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md)."""
     if shape is None or shape.max_seq_len is None:
+        return False
+    kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
+    if kv_tokens * query_tiles(spec, shape.max_q_len) < FLASHMLA_MIN_WORK:
         return False
     if spec.num_heads >= FLASHMLA_MANY_HEADS:
         return shape.max_seq_len >= FLASHMLA_LONG_SEQ or _ragged(shape)
@@ -137,13 +148,15 @@ def hopper_prefers_triton(spec: DecodeSpec, shape: BatchShape | None) -> bool:
 
 def fa_sort_by_length(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """Whether FlashInfer FA routes plan this batch's requests longest first (lever (a) of
-    docs/benchmarks.md): large batches only, and only ragged ones when lengths are known."""
+    docs/benchmarks.md): large batches only, and only ragged ones of long enough requests
+    when lengths are known."""
     del spec
     if shape is None or shape.batch_size < FA_SORT_MIN_BATCH:
         return False
     if shape.max_seq_len is None:
         return True
-    return _ragged(shape)
+    mean_len = (shape.kv_tokens or 0) / shape.batch_size
+    return _ragged(shape) and mean_len >= FA_SORT_MIN_MEAN_LEN
 
 
 def rank(

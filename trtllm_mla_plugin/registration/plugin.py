@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+from typing import Any
 
 from ..log import get_logger
 from .names import BACKEND_NAME, BACKEND_PATH, TESTED_ENGINES
@@ -27,7 +28,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_PATH)
+        backend_member()
         _warn_outside_tested_versions()
     selected_by_env = env_selection()
     if _is_cpu_platform():
@@ -36,6 +37,27 @@ def register() -> None:
         from vllm.platforms import current_platform
 
         install_env_selection(type(current_platform))
+
+
+def backend_member() -> Any:
+    """``AttentionBackendEnum.TRTLLM_MLA``, registered first if this process lacks it.
+
+    Also what a pickled member unpickles through: vLLM's worker processes (tensor
+    parallelism) unpickle their config, which names the selected backend, before they load
+    plugins, and a plain member would then be an unknown enum value ("... is not a valid
+    AttentionBackendEnum") for ``--attention-backend TRTLLM_MLA``.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+        # pickle looks __reduce_ex__ up on the instance first.
+        AttentionBackendEnum[BACKEND_NAME].__reduce_ex__ = _reduce_backend_member
+    return AttentionBackendEnum[BACKEND_NAME]
+
+
+def _reduce_backend_member(protocol: int) -> tuple:
+    return backend_member, ()
 
 
 def engine_distribution() -> tuple[str, str] | None:

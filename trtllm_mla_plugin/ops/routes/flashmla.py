@@ -15,6 +15,8 @@ warm-up run would bake the warm-up step's split of the KV into the graph.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..platform import Platform
@@ -103,6 +105,7 @@ class RightAlignedQuery:
 class FlashMLARoute(DecodeRoute):
     name = "flashmla"
     kernel = "FlashMLA (vLLM bundle) flash_mla_with_kvcache"
+    own_output: ClassVar[bool] = True
 
     @classmethod
     def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
@@ -149,7 +152,11 @@ class FlashMLARoute(DecodeRoute):
         return self._capture_meta
 
     def run(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor | None,
+        scales: KVScales,
     ) -> torch.Tensor:
         if not scales.is_unit:
             raise ValueError(
@@ -161,8 +168,8 @@ class FlashMLARoute(DecodeRoute):
         q = self._query.gather(query)
         # Write straight into ``out`` (one token per request: FlashMLA's ``out=`` failed for
         # q_len > 1 on the H200, docs/benchmarks.md).
-        direct = (m == 1 and not self._query.ragged and out.is_contiguous()
-                  and out.dtype == q.dtype)
+        direct = (out is not None and m == 1 and not self._query.ragged
+                  and out.is_contiguous() and out.dtype == q.dtype)
         result, _ = self._fm.flash_mla_with_kvcache(
             q=q,
             k_cache=kv_cache.unsqueeze(-2),
@@ -175,4 +182,10 @@ class FlashMLARoute(DecodeRoute):
             is_fp8_kvcache=False,
             out=out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,
         )
-        return out if direct else self._query.scatter(result, out)
+        if direct:
+            return out
+        if out is None and not self._query.ragged:
+            return result.view(b * m, spec.num_heads, spec.kv_lora_rank)
+        if out is None:
+            out = result.new_empty(batch.num_tokens, spec.num_heads, spec.kv_lora_rank)
+        return self._query.scatter(result, out)

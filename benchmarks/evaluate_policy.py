@@ -1,0 +1,82 @@
+"""How the *current* SM90 policy does on measured shapes, without a GPU.
+
+``python benchmarks/evaluate_policy.py shapes.jsonl FILE.csv [FILE.csv ...]`` reads
+bench_decode.py output (every route of the policy timed forced on every shape, and every
+peer), picks for each bf16 shape the route ``ops.policy`` ranks first (per batch, lengths
+known, as an eager decoder does) and prints its time over the best peer's: per file the
+worst and the geometric-mean ratio (> 1: the plugin is faster) and the shapes under 0.95.
+FP8 shapes report the plugin's own dispatched time (``plugin[...]`` rows).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from collections import defaultdict
+
+import torch
+
+from trtllm_mla_plugin.ops import DecodeSpec, policy
+
+#: Row names of the forced plugin routes the bf16 policy picks between.
+ROUTE_ROWS = {"fa3": "peer:flashinfer-fa3", "fa3-sorted": "fa3-sorted", "flashmla": "flashmla"}
+
+
+def policy_row(r: dict, lens: list[int]) -> str:
+    """Row name of the kernel the current policy runs for this bf16 shape."""
+    heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
+    spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
+    shape = policy.BatchShape(b, q, max(lens), sum(lens))
+    if r["block"] == "64" and policy.hopper_prefers_flashmla(spec, shape):
+        return ROUTE_ROWS["flashmla"]
+    sort = policy.fa_sort_by_length(spec, shape) and b > 1
+    return ROUTE_ROWS["fa3-sorted" if sort else "fa3"]
+
+
+def ratios(path: str, lens: dict[str, list[int]]) -> list[tuple[float, str, str]]:
+    by: dict[str, dict[str, dict]] = defaultdict(dict)
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r.get("pass_no", "1") == "1" and r["us"]:
+                by[r["shape"]][r["kernel"]] = r
+    out = []
+    for shape, ks in by.items():
+        peers = {n: float(r["us"]) for n, r in ks.items()
+                 if n.startswith("peer:") and "sorted" not in n}
+        if not peers:
+            continue
+        any_row = next(iter(ks.values()))
+        if any_row["kv"] == "fp8":
+            name = next((n for n in ks if n.startswith("plugin")), None)
+        else:
+            name = policy_row(any_row, lens[shape])
+        if name is None or name not in ks:
+            continue
+        out.append((min(peers.values()) / float(ks[name]["us"]), shape, name))
+    return out
+
+
+def main(shapes_path: str, *paths: str) -> None:
+    lens = {}
+    with open(shapes_path) as f:
+        for line in f:
+            d = json.loads(line)
+            lens[d["shape"]] = d["lens"]
+    for path in paths:
+        rs = ratios(path, lens)
+        for kv in ("bf16", "fp8"):
+            sel = [x for x in rs if f" {kv} " in x[1]]
+            if not sel:
+                continue
+            geo = math.exp(sum(math.log(x[0]) for x in sel) / len(sel))
+            low = sorted(x for x in sel if x[0] < 0.95)
+            print(f"{path} {kv}: {len(sel)} shapes, worst {min(sel)[0]:.3f}, "
+                  f"geomean {geo:.3f}, under 0.95: {len(low)}")
+            for ratio, shape, name in low:
+                print(f"    {ratio:.3f} {shape} ({name})")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

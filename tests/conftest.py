@@ -13,6 +13,26 @@ import pytest
 
 ENGINE_TIMEOUT_S = 600
 
+#: ``attention_classes`` entries (``trtllm_mla_plugin.testing.run_engine``): the backend and
+#: impl classes an engine's MLA layers resolved.
+_VLLM_MLA = "vllm.v1.attention.backends.mla"
+CPU_MLA_CLASSES = f"{_VLLM_MLA}.cpu_mla.CPUMLABackend/{_VLLM_MLA}.cpu_mla.CPUMLAImpl"
+AMX_MLA_CLASSES = f"{_VLLM_MLA}.amx_mla.AMXMLABackend/{_VLLM_MLA}.amx_mla.AMXMLAImpl"
+TRTLLM_MLA_CLASSES = ("trtllm_mla_plugin.vllm_backend.backend.TrtllmMLABackend/"
+                      "trtllm_mla_plugin.vllm_backend.impl.TrtllmMLAImpl")
+
+
+def vllm_default_cpu_mla_classes() -> str:
+    """What vLLM's CPU platform runs for an MLA model when no backend is selected: AMX_MLA
+    on x86 CPUs with AMX tiles (bfloat16 weights only), else CPU_MLA (the condition of
+    ``vllm/platforms/cpu.py`` ``get_attn_backend_cls``)."""
+    import torch
+    from vllm.platforms.cpu import CpuArchEnum, CpuPlatform
+
+    amx = (CpuPlatform.get_cpu_architecture() == CpuArchEnum.X86
+           and torch.cpu._is_amx_tile_supported())
+    return AMX_MLA_CLASSES if amx else CPU_MLA_CLASSES
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:

@@ -2,25 +2,40 @@
 
 The plugin's decode on CPU is its own pure-torch route, not vLLM's CPU MLA kernel, so
 agreement between the two is evidence, not a tautology.
+
+The reference names CPU_MLA explicitly and runs in float32: on CPUs with AMX, vLLM's
+default for MLA models is AMX_MLA, which takes bfloat16 (or quantised) weights only
+("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8", ``amx_mla.py``
+``process_weights_after_loading``) and would leave chunked prefill and prefix caching on.
+Every comparison also checks that both engines ran with the same settings (block size,
+chunked prefill, prefix caching, token budget, dtype), so they scheduled the same batches.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from conftest import CPU_MLA_CLASSES, TRTLLM_MLA_CLASSES, vllm_default_cpu_mla_classes
 from generation_compare import compare_generations
 
 pytestmark = pytest.mark.engine
 
 IN_USE = "TRTLLM_MLA backend in use: decode route torch-reference"
+#: What vLLM's CPU platform gives an MLA model on CPU_MLA (vllm/platforms/cpu.py
+#: check_and_update_config), and the plugin gives TRTLLM_MLA on every CPU
+#: (trtllm_mla_plugin/registration/cpu_settings.py).
+CPU_MLA_SETTINGS = {"block_size": 16, "enable_chunked_prefill": False,
+                    "enable_prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
 def vllm_cpu_mla(tiny_model, tmp_path_factory):
-    """vLLM's own CPU MLA backend, plugin installed but not selected."""
+    """vLLM's own CPU MLA backend in float32, named explicitly (plugin installed, TRTLLM_MLA
+    not selected)."""
     from conftest import run_engine
 
-    run = run_engine(tiny_model, tmp_path_factory.mktemp("ref"))
+    run = run_engine(tiny_model, tmp_path_factory.mktemp("ref"), "--attention-backend",
+                     "CPU_MLA")
     assert run.returncode == 0, run.log[-3000:]
     return run
 
@@ -28,6 +43,9 @@ def vllm_cpu_mla(tiny_model, tmp_path_factory):
 def _assert_matches_reference(run, reference):
     assert run.returncode == 0, run.log[-3000:]
     assert IN_USE in run.log
+    assert run.result["attention_classes"] == [[TRTLLM_MLA_CLASSES]]
+    # Same engine settings as vLLM's CPU_MLA run: identical batches, comparable numbers.
+    assert run.result["engine_config"] == reference.result["engine_config"]
     prompts = run.result["prompts"]
     assert len(prompts) >= 8 and len({p["prompt_len"] for p in prompts}) >= 8
     assert compare_generations(run.result, reference.result) == []
@@ -35,9 +53,13 @@ def _assert_matches_reference(run, reference):
     assert len({tuple(p["token_ids"]) for p in prompts}) >= 6
 
 
-def test_unselected_engine_runs_vllms_own_backend(vllm_cpu_mla):
-    assert "Using CPU_MLA backend" in vllm_cpu_mla.log or "Using AMX_MLA" in vllm_cpu_mla.log
+def test_reference_runs_vllms_own_cpu_mla_in_float32(vllm_cpu_mla):
+    assert "Using CPU_MLA backend" in vllm_cpu_mla.log
     assert "TRTLLM_MLA backend in use" not in vllm_cpu_mla.log
+    assert vllm_cpu_mla.result["attention_classes"] == [[CPU_MLA_CLASSES]]
+    config = vllm_cpu_mla.result["engine_config"]
+    assert {k: config[k] for k in CPU_MLA_SETTINGS} == CPU_MLA_SETTINGS
+    assert config["dtype"] == "float32"
 
 
 def test_env_var_selects_trtllm_mla_and_matches_vllm(engine, vllm_cpu_mla):
@@ -72,15 +94,38 @@ def test_unservable_configuration_refused_at_start(engine):
     assert "SM100" in run.log
 
 
-def test_installed_but_unselected_changes_nothing(engine, vllm_cpu_mla):
-    # VLLM_PLUGINS="" is vLLM's allowlist that matches no plugin: the engine as if the
-    # plugin were not installed.
-    without = engine(env={"VLLM_PLUGINS": ""})
+def _without_plugin_field(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "plugin_loaded"}
+
+
+def _assert_same_engine(installed, without):
+    """Installed-but-unselected vs not loaded at all (``VLLM_PLUGINS=""``, vLLM's allowlist
+    that matches no plugin): the same backend classes and settings, and bit-identical
+    output (runs are deterministic in-process)."""
+    assert installed.returncode == 0, installed.log[-3000:]
     assert without.returncode == 0, without.log[-3000:]
-    # Same backend choice, bit-identical outputs (runs are deterministic in-process).
-    assert ("Using CPU_MLA backend" in without.log) == ("Using CPU_MLA backend" in
-                                                         vllm_cpu_mla.log)
-    assert without.result == vllm_cpu_mla.result
+    assert installed.result["plugin_loaded"] and not without.result["plugin_loaded"]
+    for line in ("TRTLLM_MLA backend in use", "TRTLLM_MLA on CPU"):  # its engine log lines
+        assert line not in installed.log
+    assert _without_plugin_field(installed.result) == _without_plugin_field(without.result)
+
+
+def test_installed_but_unselected_changes_nothing_on_vllms_default_backend(engine):
+    """Nothing selected: vLLM's own default on this CPU, whichever it is (AMX_MLA where the
+    CPU has AMX, CPU_MLA elsewhere). In bfloat16, the dtype both of them run."""
+    installed = engine("--dtype", "bfloat16")
+    without = engine("--dtype", "bfloat16", env={"VLLM_PLUGINS": ""})
+    _assert_same_engine(installed, without)
+    assert without.result["attention_classes"] == [[vllm_default_cpu_mla_classes()]]
+    # Not vacuous: the bfloat16 model's output depends on the prompt.
+    assert len({tuple(p["token_ids"]) for p in without.result["prompts"]}) >= 6
+
+
+def test_installed_but_unselected_changes_nothing_on_cpu_mla_float32(engine, vllm_cpu_mla):
+    """CPU_MLA named, float32: the reference every TRTLLM_MLA comparison here uses."""
+    without = engine("--attention-backend", "CPU_MLA", env={"VLLM_PLUGINS": ""})
+    _assert_same_engine(vllm_cpu_mla, without)
+    assert without.result["attention_classes"] == [[CPU_MLA_CLASSES]]
 
 
 def test_fp8_kv_cache_stays_close_to_the_unquantised_run(engine):

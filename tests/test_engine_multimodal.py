@@ -19,6 +19,7 @@ import re
 
 import pytest
 
+from conftest import CPU_MLA_CLASSES, TRTLLM_MLA_CLASSES
 from generation_compare import compare_generations
 
 pytestmark = pytest.mark.engine
@@ -75,6 +76,7 @@ def trtllm_mla(kimi_k25, spec, tmp_path_factory):
 def test_reference_runs_vllms_own_backend(vllm_cpu_mla):
     assert "Using CPU_MLA backend" in vllm_cpu_mla.log
     assert "TRTLLM_MLA backend in use" not in vllm_cpu_mla.log
+    assert vllm_cpu_mla.result["attention_classes"] == [[CPU_MLA_CLASSES]]
 
 
 def test_each_image_becomes_its_image_tokens(spec, vllm_cpu_mla, trtllm_mla):
@@ -101,6 +103,10 @@ def test_output_depends_on_the_image(spec, vllm_cpu_mla, trtllm_mla):
 
 def test_trtllm_mla_decodes_image_prompts_like_vllm(vllm_cpu_mla, trtllm_mla):
     assert IN_USE.search(trtllm_mla.log), trtllm_mla.log[-3000:]
+    assert trtllm_mla.result["attention_classes"] == [[TRTLLM_MLA_CLASSES]]
+    # Same block size, chunked prefill and prefix caching (off) and token budget as the
+    # reference: the same batches.
+    assert trtllm_mla.result["engine_config"] == vllm_cpu_mla.result["engine_config"]
     prompts = trtllm_mla.result["prompts"]
     assert [len(p["token_ids"]) for p in prompts] == [MAX_TOKENS] * len(prompts)
     assert compare_generations(trtllm_mla.result, vllm_cpu_mla.result) == []

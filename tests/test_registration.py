@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import subprocess
 import sys
 import textwrap
@@ -46,11 +47,17 @@ def test_vllm_plugin_loader_registers_backend_idempotently():
         print("PATH", E["TRTLLM_MLA"].get_path())
         print("CLASS", E["TRTLLM_MLA"].get_class().get_name())
         print("COUNT", list(E.__members__).count("TRTLLM_MLA"))
+        from vllm.platforms import current_platform
+        hook = type(current_platform).check_and_update_config
+        print("CPU_SETTINGS", getattr(hook, "_trtllm_mla_cpu_settings", False),
+              getattr(hook.__wrapped__, "_trtllm_mla_cpu_settings", False))
     """)
     assert proc.returncode == 0, proc.stderr
     assert f"PATH {BACKEND_PATH}" in proc.stdout
     assert f"CLASS {BACKEND_NAME}" in proc.stdout
     assert "COUNT 1" in proc.stdout
+    # The CPU platform's config hook is wrapped once, however often register() runs.
+    assert "CPU_SETTINGS True False" in proc.stdout
 
 
 def test_selected_backend_unpickles_in_a_process_without_plugins():
@@ -88,16 +95,18 @@ def test_register_is_cheap_no_cuda_no_flashinfer_no_backend_import():
     assert "CUDA_INIT False" in proc.stdout
 
 
-def test_unselected_cpu_mla_name_resolves_to_vllms_own_class():
+def test_unselected_cpu_mla_names_resolve_to_vllms_own_classes():
     proc = run_python("""
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+        from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
         from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
-        print("SAME", E.CPU_MLA.get_class() is CPUMLABackend)
+        print("SAME", E.CPU_MLA.get_class() is CPUMLABackend,
+              E.AMX_MLA.get_class() is AMXMLABackend)
     """)
     assert proc.returncode == 0, proc.stderr
-    assert "SAME True" in proc.stdout
+    assert "SAME True True" in proc.stdout
 
 
 def test_env_selected_cpu_mla_name_resolves_to_trtllm_mla():
@@ -157,3 +166,108 @@ def test_env_selection_on_gpu_platforms_fills_only_unset_mla_selection():
     FakePlatform.get_attn_backend_cls(None, dense)
     FakePlatform.get_attn_backend_cls(AttentionBackendEnum.TRITON_MLA, mla)
     assert calls == [AttentionBackendEnum["TRTLLM_MLA"], None, AttentionBackendEnum.TRITON_MLA]
+
+
+# ---- CPU engine settings for TRTLLM_MLA (registration/cpu_settings.py) -------------------
+
+def _cpu_config(*, backend=None, use_mla=True, model_type="deepseek_v3", block_size=128,
+                user_block_size=False, chunked=True, prefix=True, budget=4096):
+    """The parts of a VllmConfig that vLLM's CPU platform hook leaves for AMX_MLA."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(use_mla=use_mla, max_model_len=1024,
+                                     hf_config=SimpleNamespace(model_type=model_type)),
+        cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=prefix,
+                                     user_specified_block_size=user_block_size),
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked,
+                                         max_num_batched_tokens=budget,
+                                         DEFAULT_MAX_NUM_BATCHED_TOKENS=2048),
+        attention_config=SimpleNamespace(
+            backend=None if backend is None else SimpleNamespace(name=backend),
+            backend_per_kind={}),
+    )
+
+
+def _settings(config) -> tuple:
+    return (config.cache_config.block_size, config.scheduler_config.enable_chunked_prefill,
+            config.cache_config.enable_prefix_caching,
+            config.scheduler_config.max_num_batched_tokens)
+
+
+@pytest.mark.parametrize("by_env", [False, True])
+def test_selected_trtllm_mla_gets_cpu_mlas_engine_settings(monkeypatch, caplog, by_env):
+    """What vLLM leaves for AMX_MLA (block 128, chunked prefill and prefix caching on)
+    becomes what it gives CPU_MLA (block 16, both off, budget max(max_model_len, 2048))."""
+    from trtllm_mla_plugin.registration.cpu_settings import apply_cpu_mla_settings
+
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    if by_env:
+        monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TRTLLM_MLA")
+    config = _cpu_config(backend=None if by_env else "TRTLLM_MLA")
+    # vLLM's logging setup may stop records at the "vllm" logger: listen on ours directly.
+    plugin_logger = logging.getLogger("vllm.plugins")
+    monkeypatch.setattr(plugin_logger, "propagate", False)
+    plugin_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.plugins"):
+            changed = apply_cpu_mla_settings(config)
+            assert _settings(config) == (16, False, False, 2048)
+            assert len(changed) == 4
+            assert ("TRTLLM_MLA on CPU: block size 128 -> 16, chunked prefill off, prefix "
+                    "caching off, max_num_batched_tokens 4096 -> 2048" in caplog.text)
+            # Where vLLM already applied them (CPUs without AMX): no change, no log line.
+            caplog.clear()
+            assert apply_cpu_mla_settings(config) == []
+            assert caplog.text == ""
+    finally:
+        plugin_logger.removeHandler(caplog.handler)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [_cpu_config(), _cpu_config(backend="CPU_MLA"), _cpu_config(backend="AMX_MLA"),
+     _cpu_config(backend="TRTLLM_MLA", use_mla=False),
+     _cpu_config(backend="TRTLLM_MLA", model_type="deepseek_v4")],
+    ids=["nothing selected", "CPU_MLA", "AMX_MLA", "not MLA", "DeepSeek-V4"],
+)
+def test_cpu_settings_leave_other_engines_alone(monkeypatch, config):
+    from trtllm_mla_plugin.registration.cpu_settings import apply_cpu_mla_settings
+
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    before = _settings(config)
+    assert apply_cpu_mla_settings(config) == []
+    assert _settings(config) == before
+
+
+def test_cpu_settings_hook_runs_after_vllms_and_wraps_once(monkeypatch):
+    from trtllm_mla_plugin.registration.cpu_settings import install_cpu_mla_settings
+
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    calls = []
+
+    class FakeCpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            calls.append(_settings(vllm_config))  # vLLM's hook sees the config first
+
+    install_cpu_mla_settings(FakeCpuPlatform)
+    install_cpu_mla_settings(FakeCpuPlatform)
+    config = _cpu_config(backend="TRTLLM_MLA")
+    FakeCpuPlatform().check_and_update_config(config)
+    assert calls == [(128, True, True, 4096)]
+    assert _settings(config) == (16, False, False, 2048)
+
+
+def test_cpu_settings_name_a_requested_block_size_they_override(monkeypatch):
+    from trtllm_mla_plugin.registration import cpu_settings
+
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
+    warnings = []
+    monkeypatch.setattr(cpu_settings.logger, "warning",
+                        lambda msg, *args: warnings.append(msg % args))
+    config = _cpu_config(backend="TRTLLM_MLA", block_size=64, user_block_size=True)
+    cpu_settings.apply_cpu_mla_settings(config)
+    assert config.cache_config.block_size == 16
+    assert warnings == ["TRTLLM_MLA on CPU uses block size 16 (as vLLM's CPU_MLA backend); "
+                        "overriding the requested block size 64."]

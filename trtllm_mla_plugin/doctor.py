@@ -31,7 +31,8 @@ def _vllm_sees_entry_point() -> bool:
 
 def _prefill_route(platform) -> str:
     if platform.kind != "cuda":
-        return "vLLM's CPU MLA prefill (SDPA), chunked prefill off on CPU"
+        return ("vLLM's CPU MLA prefill (SDPA); chunked prefill and prefix caching off, "
+                "block 16 (CPU_MLA's settings)")
     if platform.capability[0] == 10:
         return "FlashInfer MLA prefill (vLLM's FLASHINFER prefill backend)"
     return (

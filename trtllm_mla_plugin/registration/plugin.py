@@ -13,6 +13,7 @@ import importlib.metadata
 from typing import Any
 
 from ..log import get_logger
+from .cpu_settings import install_cpu_mla_settings
 from .names import BACKEND_NAME, BACKEND_PATH, TESTED_ENGINES
 from .selection import env_selection
 
@@ -32,7 +33,10 @@ def register() -> None:
         _warn_outside_tested_versions()
     selected_by_env = env_selection()
     if _is_cpu_platform():
+        from vllm.platforms import current_platform
+
         _route_cpu_mla_through_selection(AttentionBackendEnum, register_backend)
+        install_cpu_mla_settings(type(current_platform))
     elif selected_by_env:
         from vllm.platforms import current_platform
 

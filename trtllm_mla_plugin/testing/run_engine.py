@@ -10,7 +10,12 @@ and vLLM's global state apart.
 (see ``load_prompts``): for a multimodal model, which then loads its tokenizer.
 
 The JSON holds, per prompt, the generated token ids and the top-2 logprobs of each step,
-and the engine's batch schedule (which requests ran how many tokens in each step).
+the engine's batch schedule (which requests ran how many tokens in each step),
+the engine settings that decide how prompts are scheduled and cached (``engine_config``:
+block size, chunked prefill, prefix caching, token budget, dtype) and the attention backend
+and impl classes the MLA layers resolved (``attention_classes``), so a test can check that
+two runs it compares were configured alike and ran the backends it meant, and whether the
+plugin was loaded at all (``plugin_loaded``: ``VLLM_PLUGINS=""`` runs vLLM without it).
 
 The engine core always runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, also
 with ``--tensor-parallel-size 2``, whose workers are processes either way). In its own
@@ -76,6 +81,32 @@ def load_prompts(path: str) -> tuple[list[Any], str | None, int]:
     return prompts, modality if most else None, most
 
 
+def mla_attention_classes(worker: Any) -> list[str]:
+    """``backend.Class/impl.Class`` qualified names of a worker's MLA layers (one per
+    distinct pair); run on the worker by ``LLM.collective_rpc``."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    def qualname(cls: type) -> str:
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+    layers = get_layers_from_vllm_config(worker.vllm_config, MLAAttention).values()
+    return sorted({f"{qualname(layer.attn_backend)}/{qualname(type(layer.impl))}"
+                   for layer in layers})
+
+
+def engine_config(llm: Any) -> dict[str, Any]:
+    """The settings vLLM's platform hook (and the plugin) decided for this engine."""
+    config = llm.llm_engine.vllm_config
+    return {
+        "block_size": config.cache_config.block_size,
+        "enable_chunked_prefill": config.scheduler_config.enable_chunked_prefill,
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+    }
+
+
 def _avoid_vllm_llvmlite_crash() -> None:
     """Work around a vLLM 0.32 (CPU) start-up crash once numba is imported in-process.
 
@@ -131,6 +162,7 @@ def main() -> None:
                         help="EngineArgs.attention_backend (what --attention-backend sets)")
     parser.add_argument("--attention-config-backend", default=None,
                         help='LLM(attention_config={"backend": NAME})')
+    parser.add_argument("--dtype", default="float32", help="model dtype (vLLM's --dtype)")
     parser.add_argument("--prompt-lens", default=",".join(map(str, DEFAULT_PROMPT_LENS)))
     parser.add_argument("--max-tokens", default="12",
                         help="one value, or one per prompt (comma separated)")
@@ -186,7 +218,7 @@ def main() -> None:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
     if args.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
-    llm = LLM(model=args.model, dtype="float32", disable_log_stats=False, **kwargs)
+    llm = LLM(model=args.model, dtype=args.dtype, disable_log_stats=False, **kwargs)
     schedule = record_schedule(llm)
 
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
@@ -209,6 +241,11 @@ def main() -> None:
     result["num_preemptions"] = sum(
         m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
     )
+    result["engine_config"] = engine_config(llm)
+    result["attention_classes"] = llm.collective_rpc(mla_attention_classes)
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    result["plugin_loaded"] = "TRTLLM_MLA" in AttentionBackendEnum.__members__
     Path(args.out).write_text(json.dumps(result))
 
 

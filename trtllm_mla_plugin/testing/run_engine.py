@@ -154,6 +154,20 @@ def record_schedule(llm: Any) -> list[list[list]] | None:
     return steps
 
 
+def spec_decode_counts(metrics: list) -> dict[str, float]:
+    """vLLM's speculative-decoding counters from ``LLM.get_metrics()`` (empty without it):
+    drafts, draft tokens, accepted tokens, and accepted tokens per draft position."""
+    counts: dict[str, float] = {}
+    for m in metrics:
+        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                      "vllm:spec_decode_num_accepted_tokens"):
+            key = m.name.removeprefix("vllm:spec_decode_")
+            counts[key] = counts.get(key, 0) + m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            counts["accepted_per_pos"] = list(m.values)
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -174,6 +188,8 @@ def main() -> None:
                         help="prompts (with images) from this file instead of --prompt-lens")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="on CPU, TP=2 also needs VLLM_CPU_OMP_THREADS_BIND (e.g. '0|1')")
+    parser.add_argument("--speculative-config", default=None,
+                        help='LLM(speculative_config=JSON), e.g. \'{"method": "ngram", ...}\'')
     args = parser.parse_args()
 
     # With the engine core in its own process it starts stepping while LLM.generate is
@@ -218,6 +234,8 @@ def main() -> None:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
     if args.tensor_parallel_size > 1:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.speculative_config:
+        kwargs["speculative_config"] = json.loads(args.speculative_config)
     llm = LLM(model=args.model, dtype=args.dtype, disable_log_stats=False, **kwargs)
     schedule = record_schedule(llm)
 
@@ -238,9 +256,9 @@ def main() -> None:
              "logprobs": steps}
         )
     result["schedule"] = schedule
-    result["num_preemptions"] = sum(
-        m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"
-    )
+    metrics = llm.get_metrics()
+    result["num_preemptions"] = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
+    result["spec_decode"] = spec_decode_counts(metrics)
     result["engine_config"] = engine_config(llm)
     result["attention_classes"] = llm.collective_rpc(mla_attention_classes)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum

@@ -72,6 +72,10 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
                 f"{kv_cache_spec.block_size}"
             )
         self._seq_lens_host: torch.Tensor | None = None
+        self._slot_mapping: torch.Tensor | None = None
+        # Set once a real step (not a warm-up or CUDA-graph capture run) has given decode
+        # several query tokens per request; see _note_multi_token_decode.
+        self._multi_token_decode_seen = False
         max_batch = vllm_config.scheduler_config.max_num_seqs
         cudagraph_mode = self.compilation_config.cudagraph_mode
         full_graphs = device.type == "cuda" and cudagraph_mode.has_full_cudagraphs()
@@ -97,6 +101,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         # vLLM's host copy of the lengths (exact outside async speculative decoding) lets the
         # Hopper route policy see the batch's total KV tokens without a device sync.
         self._seq_lens_host = getattr(common_attn_metadata, "seq_lens_cpu_upper_bound", None)
+        self._slot_mapping = common_attn_metadata.slot_mapping
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
 
     def _build_decode(
@@ -113,6 +118,8 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         num_decodes = seq_lens_device.shape[0]
         single_token = num_decode_tokens == num_decodes
         host_lens = self._seq_lens_host
+        if not single_token and not self._multi_token_decode_seen:
+            self._note_multi_token_decode(num_decodes, num_decode_tokens, max_query_len)
         self.decoder.plan(
             DecodeBatch(
                 block_table=block_table_tensor,
@@ -129,4 +136,28 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
             decoder=self.decoder,
+        )
+
+    def _note_multi_token_decode(
+        self, num_decodes: int, num_decode_tokens: int, max_query_len: int
+    ) -> None:
+        """Log, once per metadata builder, the first real decode step with several query
+        tokens per request (speculative decoding: verification, or an MTP draft pass).
+
+        vLLM's warm-up and CUDA-graph capture runs build the same metadata with every slot
+        set to -1 (no KV write); a real step writes at least one slot. Reading the slots may
+        synchronise the device, so this runs only until the first real such step.
+        """
+        slots = self._slot_mapping
+        if slots is None or (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        if not bool((slots[:num_decode_tokens] >= 0).any()):
+            return
+        self._multi_token_decode_seen = True
+        logger.info(
+            "TRTLLM_MLA decode step with several query tokens per request: %d requests, "
+            "%d query tokens, up to %d per request.",
+            num_decodes,
+            num_decode_tokens,
+            max_query_len,
         )

@@ -9,8 +9,8 @@ LOGPROB_ATOL = 1e-3
 NEAR_TIE = 1e-3
 
 
-def compare_generations(ours: dict, ref: dict, logprob_atol: float = LOGPROB_ATOL
-                        ) -> list[str]:
+def compare_generations(ours: dict, ref: dict, logprob_atol: float = LOGPROB_ATOL,
+                        near_tie: float = NEAR_TIE) -> list[str]:
     """Problems found (empty when the generations agree).
 
     Tokens must be equal step by step; a divergence is accepted only at an exact near-tie in
@@ -30,7 +30,7 @@ def compare_generations(ours: dict, ref: dict, logprob_atol: float = LOGPROB_ATO
                 )
             if ta != tb:
                 best = sorted(ref_lp.values(), reverse=True)[:2]
-                if len(best) < 2 or best[0] - best[1] > NEAR_TIE:
+                if len(best) < 2 or best[0] - best[1] > near_tie:
                     problems.append(
                         f"prompt {i} (len {b['prompt_len']}) step {step}: token {ta} vs "
                         f"{tb} where the reference is not a near-tie ({best})"
@@ -54,3 +54,22 @@ def compare_schedules(ours: dict, ref: dict) -> list[str]:
     if len(a) != len(b):
         return [f"{len(a)} steps vs {len(b)} in the reference"]
     return []
+
+
+def agreement(ours: dict, ref: dict) -> dict[str, float]:
+    """How much two generations could be compared: the steps up to each prompt's first
+    divergence (inclusive) out of all steps, and the largest logprob difference of the
+    reference's token over those steps."""
+    compared = total = 0
+    worst = 0.0
+    for a, b in zip(ours["prompts"], ref["prompts"], strict=True):
+        total += len(b["token_ids"])
+        for step, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"], strict=True)):
+            compared += 1
+            ours_lp = a["logprobs"][step].get(str(tb))
+            if ours_lp is not None:
+                worst = max(worst, abs(ours_lp - b["logprobs"][step][str(tb)]))
+            if ta != tb:
+                break
+    return {"compared_steps": compared, "total_steps": total,
+            "compared_fraction": compared / max(total, 1), "max_logprob_diff": worst}

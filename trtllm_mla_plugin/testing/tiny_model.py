@@ -30,6 +30,7 @@ def build_tiny_deepseek_v3(
     seed: int = 0,
     mtp_layers: int = 0,
     dtype: str = "float32",
+    max_position_embeddings: int = 4096,
 ) -> Path:
     """Write a random-weight DeepSeek-V3-style model to ``path`` (reused if present).
 
@@ -40,6 +41,8 @@ def build_tiny_deepseek_v3(
             without the option.
         dtype: dtype the weights are saved in (``"float32"`` or ``"bfloat16"``); the
             random draw is the same, so a bfloat16 model is the float32 one rounded.
+        max_position_embeddings: longest context the model config allows (engine
+            benchmarks with long prompts).
 
     Returns:
         The model directory, loadable by ``vllm.LLM(model=path, skip_tokenizer_init=True)``.
@@ -50,10 +53,13 @@ def build_tiny_deepseek_v3(
                   vocab_size=vocab_size, seed=seed, gains=[ATTENTION_GAIN, LM_HEAD_GAIN])
     if mtp_layers or dtype != "float32":
         recipe.update(mtp_layers=mtp_layers, dtype=dtype)
+    if max_position_embeddings != 4096:
+        recipe.update(max_position_embeddings=max_position_embeddings)
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return path
     model = random_deepseek_v3(num_layers=num_layers, num_heads=num_heads,
-                               hidden_size=hidden_size, vocab_size=vocab_size, seed=seed)
+                               hidden_size=hidden_size, vocab_size=vocab_size, seed=seed,
+                               max_position_embeddings=max_position_embeddings)
     if dtype != "float32":
         import torch
 
@@ -74,6 +80,7 @@ def random_deepseek_v3(
     hidden_size: int,
     vocab_size: int,
     seed: int,
+    max_position_embeddings: int = 4096,
 ) -> DeepseekV3ForCausalLM:
     """The random-weight, attention-gained DeepSeek-V3 language model (not saved)."""
     import torch
@@ -95,7 +102,7 @@ def random_deepseek_v3(
         first_k_dense_replace=num_layers,  # all dense: no MoE layers
         n_routed_experts=4,
         num_experts_per_tok=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         rope_scaling=None,
         tie_word_embeddings=False,
         torch_dtype="float32",

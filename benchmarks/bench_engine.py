@@ -1,0 +1,210 @@
+"""Decode throughput of the real vLLM engine (CUDA) with TRTLLM_MLA and vLLM's own MLA backends.
+
+Usage (on the GPU machine, with a CUDA vLLM importable)::
+
+    python benchmarks/bench_engine.py --out DIR [--heads 16,128] [--batches 32,128,256]
+        [--kv auto,fp8] [--backends TRTLLM_MLA,FLASHMLA,TRITON_MLA] [--output-len 64]
+
+Model: a random-weight DeepSeek-V3-style model built locally (``testing.tiny_model``), with
+DeepSeek-V3's attention per rank (latent 512 + rope 64, q_lora 1536 replaced by none,
+16 heads as at TP 8, 128 heads as with data-parallel attention), ``--layers`` dense layers
+and a small MLP so that attention is a large share of a decode step (reported).
+
+Method, per (heads, KV dtype, backend) one engine in its own process (CUDA graphs for decode
+batches, no torch.compile so that engine start stays short; block size 64; prefix caching
+on), per batch size B: B prompts with lengths uniform in [--min-prompt, --max-prompt] (seed
+fixed, the same for every backend), then
+
+1. ``generate(max_tokens=1)``: prefills every prompt (and caches its KV);
+2. ``generate(max_tokens=1 + N)``: the same prompts again; prefix caching turns the
+   prefill into a one-token step, so the run is N decode steps of the whole batch.
+
+Output tokens/s = B * N / t(2); time per output token = t(2) / N. Both include the one
+step that recomputes each prompt's last token (1 of N + 1 steps). The attention share is
+the plugin decoder's own time for one layer at that batch (``ops.MLADecoder`` on the same
+lengths, CUDA-graph timed) x layers / TPOT, for TRTLLM_MLA rows.
+
+Writes ``DIR/engine.csv`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FIELDS = ["heads", "kv", "backend", "batch", "output_len", "decode_s", "tokens_per_s",
+          "tpot_ms", "route", "attn_layer_us", "attn_share", "status"]
+
+
+def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed * 1000 + batch)
+    return [rng.randint(lo, hi) for _ in range(batch)]
+
+
+def attention_layer_us(heads: int, kv: str, lens: list[int], block: int = 64) -> tuple[str, float]:
+    """The plugin's decode of one layer for ``lens`` (as under CUDA graphs: batch-size-only
+    route choice, FP8 query where vLLM would hand one over), graph-timed."""
+    from dataclasses import replace
+
+    import torch
+    import triton.testing
+
+    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype
+    from trtllm_mla_plugin.ops.platform import platform_of
+
+    device = torch.device("cuda")
+    fp8 = kv == "fp8"
+    spec = DecodeSpec(heads, 512, 64, block, torch.bfloat16,
+                      torch.float8_e4m3fn if fp8 else torch.bfloat16, 1 / 192**0.5)
+    spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device)))
+    b = len(lens)
+    need = [-(-n // block) for n in lens]
+    table = torch.zeros(b, max(need), dtype=torch.int32)
+    perm = torch.randperm(sum(need), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    cache = torch.randn(sum(need), block, 576, device=device).to(spec.kv_dtype)
+    query = torch.randn(b, heads, 576, device=device).to(spec.q_dtype)
+    dec = MLADecoder(spec, device, b, cuda_graph=True)
+    dec.plan(DecodeBatch(table.to(device), torch.tensor(lens, dtype=torch.int32,
+                                                        device=device), max(lens)))
+    dec.run(query, cache)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            dec.run(query, cache)
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    return dec.route.name, ms * 100.0  # us per call
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine: every batch size for one (heads, kv, backend)."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(
+        model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+        attention_backend=args.backend, kv_cache_dtype=args.kv, block_size=64,
+        max_model_len=args.max_prompt + args.output_len + 8, max_num_seqs=max(batches),
+        enable_prefix_caching=True, gpu_memory_utilization=0.6,
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                            "cudagraph_capture_sizes": sorted(set(batches))},
+    )
+    rows = []
+    for b in batches:
+        lens = prompt_lens(b, args.min_prompt, args.max_prompt, args.seed)
+        prompts = [TokensPrompt(prompt_token_ids=[(31 * j + 7 * i) % 997 + 1 for j in range(n)])
+                   for i, n in enumerate(lens)]
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
+                     use_tqdm=False)
+        params = SamplingParams(max_tokens=1 + args.output_len, min_tokens=1 + args.output_len,
+                                ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == 1 + args.output_len for o in outs)
+        rows.append(dict(heads=args.heads, kv=args.kv, backend=args.backend, batch=b,
+                         output_len=args.output_len, decode_s=f"{dt:.4f}",
+                         tokens_per_s=f"{b * args.output_len / dt:.0f}",
+                         tpot_ms=f"{dt / args.output_len * 1e3:.3f}", status="ok"))
+    del llm
+    if args.backend == "TRTLLM_MLA":
+        import torch
+
+        torch.cuda.empty_cache()
+        for row in rows:
+            lens = prompt_lens(int(row["batch"]), args.min_prompt, args.max_prompt, args.seed)
+            lens = [n + args.output_len // 2 for n in lens]
+            route, us = attention_layer_us(args.heads, args.kv, lens)
+            share = us * args.layers / (float(row["tpot_ms"]) * 1e3)
+            row.update(route=route, attn_layer_us=f"{us:.1f}", attn_share=f"{share:.2f}")
+    Path(args.result).write_text(json.dumps(rows))
+    sys.stdout.flush()
+    os._exit(0)  # engine teardown can hang after the results are out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("engine-out"))
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--batches", default="32,128,256")
+    ap.add_argument("--kv", default="auto,fp8")
+    ap.add_argument("--backends", default="TRTLLM_MLA,FLASHMLA,TRITON_MLA")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=1024)
+    ap.add_argument("--max-prompt", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per engine")
+    # worker-only arguments
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.heads = int(args.heads)
+        worker(args)
+        return
+    from trtllm_mla_plugin.testing.tiny_model import build_tiny_deepseek_v3
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for heads in (int(h) for h in args.heads.split(",")):
+        model = build_tiny_deepseek_v3(
+            args.out / f"model-h{heads}", num_layers=args.layers, num_heads=heads,
+            hidden_size=1024, vocab_size=1024, dtype="bfloat16",
+            max_position_embeddings=args.max_prompt + args.output_len + 64)
+        for kv in args.kv.split(","):
+            for backend in args.backends.split(","):
+                result = args.out / f"r-{heads}-{kv}-{backend}.json"
+                cmd = [sys.executable, __file__, "--worker", "--model", str(model),
+                       "--heads", str(heads), "--kv", kv, "--backend", backend,
+                       "--batches", args.batches, "--output-len", str(args.output_len),
+                       "--min-prompt", str(args.min_prompt), "--max-prompt",
+                       str(args.max_prompt), "--seed", str(args.seed), "--layers",
+                       str(args.layers), "--result", str(result)]
+                t0 = time.time()
+                log = args.out / f"log-{heads}-{kv}-{backend}.txt"
+                with open(log, "w") as f:
+                    try:
+                        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                            timeout=args.timeout).returncode
+                    except subprocess.TimeoutExpired:
+                        rc = "timeout"
+                if rc == 0 and result.exists():
+                    rows += json.loads(result.read_text())
+                else:
+                    tail = log.read_text()[-300:].replace("\n", " | ")
+                    rows.append(dict(heads=heads, kv=kv, backend=backend,
+                                     status=f"failed ({rc}): {tail}"))
+                print(f"[{time.time() - t0:.0f}s] h{heads} {kv} {backend}: "
+                      f"{rows[-1].get('status', '')[:100]}", flush=True)
+    with open(args.out / "engine.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in FIELDS})
+    print(f"\n{'heads':>5} {'kv':>4} {'backend':>11} {'batch':>5} {'tok/s':>9} {'TPOT ms':>8} "
+          f"{'share':>5}")
+    for r in rows:
+        if r.get("status") == "ok":
+            print(f"{r['heads']:>5} {r['kv']:>4} {r['backend']:>11} {r['batch']:>5} "
+                  f"{r['tokens_per_s']:>9} {r['tpot_ms']:>8} {r.get('attn_share', ''):>5}")
+
+
+if __name__ == "__main__":
+    main()

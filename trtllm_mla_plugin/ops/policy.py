@@ -60,6 +60,13 @@ FLASHMLA_UNIFORM_LONG_SEQ = 32 * 1024
 #: query tiles (ceil(heads * q_len / 64)). Fitted on 390 random shapes (run 12): below it
 #: FA3's lower fixed cost wins (h128 b1 62k: FA3 54 us, FlashMLA 69; h8 b10 46k: 87 vs 102).
 FLASHMLA_MIN_WORK = 200_000
+#: Under CUDA graphs (lengths unknown when ranking) FlashMLA goes first from this batch size
+#: on. In the engine (run 13: h16, bf16, prompts 1k-8k, CUDA graphs) TRTLLM_MLA on FA3 made
+#: 9.8k / 11.5k output tokens/s at b128 / b256 against 14.5k / 16.8k for vLLM's FLASHMLA,
+#: while the attention kernels were ~6% of a decode step: the cost is FA3's per-step host
+#: planning (FlashInfer plans on the host from the lengths), not its kernel. At b32 the two
+#: were level (5.8k vs 5.7k). FlashMLA's schedule is computed on the device.
+FLASHMLA_GRAPH_MIN_BATCH = 128
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -120,8 +127,10 @@ def query_tiles(spec: DecodeSpec, max_q_len: int) -> int:
 
 def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md)."""
-    if shape is None or shape.max_seq_len is None:
+    if shape is None:
         return False
+    if shape.max_seq_len is None:  # CUDA graphs: by batch size alone
+        return shape.batch_size >= FLASHMLA_GRAPH_MIN_BATCH
     kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
     if kv_tokens * query_tiles(spec, shape.max_q_len) < FLASHMLA_MIN_WORK:
         return False

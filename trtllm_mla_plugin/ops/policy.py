@@ -64,9 +64,12 @@ FLASHMLA_MIN_WORK = 200_000
 #: on. In the engine (run 13: h16, bf16, prompts 1k-8k, CUDA graphs) TRTLLM_MLA on FA3 made
 #: 9.8k / 11.5k output tokens/s at b128 / b256 against 14.5k / 16.8k for vLLM's FLASHMLA,
 #: while the attention kernels were ~6% of a decode step: the cost is FA3's per-step host
-#: planning (FlashInfer plans on the host from the lengths), not its kernel. At b32 the two
-#: were level (5.8k vs 5.7k). FlashMLA's schedule is computed on the device.
-FLASHMLA_GRAPH_MIN_BATCH = 128
+#: planning (FlashInfer plans on the host from lengths it copies there), not its kernel. At
+#: b32 the two were level (5.8k vs 5.7k). Between 32 and 128 nothing was measured; 64 is a
+#: judgement: FlashMLA gives up at most FA3's kernel lead there (b64 4k: 81 vs 94 us, ~1% of
+#: a step at run 13's attention share) against a planning cost that reached a third of the
+#: step at b128. FlashMLA's schedule is computed on the device.
+FLASHMLA_GRAPH_MIN_BATCH = 64
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch

@@ -215,7 +215,9 @@ class MLADecoder:
         Args:
             query: ``[num_tokens, num_heads, Dc + Dr]`` in ``spec.q_dtype``.
             kv_cache: ``[num_blocks, block_size, Dc + Dr]`` in ``spec.kv_dtype``.
-            out: optional ``[num_tokens, num_heads, Dc]`` output buffer.
+            out: optional ``[num_tokens, num_heads, Dc]`` output buffer. Without it,
+                routes whose kernel allocates its output (``DecodeRoute.own_output``) hand
+                that back without a copy; the others write into a new tensor.
             scales: FP8 scales (ignored by the math when all are 1).
 
         Returns:

@@ -64,7 +64,8 @@ FLASHMLA_MIN_WORK = 200_000
 #: on. In the engine (run 13: h16, bf16, prompts 1k-8k, CUDA graphs) TRTLLM_MLA on FA3 made
 #: 9.8k / 11.5k output tokens/s at b128 / b256 against 14.5k / 16.8k for vLLM's FLASHMLA,
 #: while the attention kernels were ~6% of a decode step: the cost is FA3's per-step host
-#: planning (FlashInfer plans on the host from lengths it copies there), not its kernel. At
+#: planning, not its kernel (FlashInfer's plan copies lengths to the host, waiting for the
+#: GPU, and loops over the requests in Python: mla/_batch_mla/_planning.py). At
 #: b32 the two were level (5.8k vs 5.7k). Between 32 and 128 nothing was measured; 64 is a
 #: judgement: FlashMLA gives up at most FA3's kernel lead there (b64 4k: 81 vs 94 us, ~1% of
 #: a step at run 13's attention share) against a planning cost that reached a third of the

@@ -32,14 +32,12 @@ def register() -> None:
         backend_member()
         _warn_outside_tested_versions()
     selected_by_env = env_selection()
-    if _is_cpu_platform():
-        from vllm.platforms import current_platform
+    from vllm.platforms import current_platform
 
+    if current_platform.is_cpu():
         _route_cpu_mla_through_selection(AttentionBackendEnum, register_backend)
         install_cpu_mla_settings(type(current_platform))
     elif selected_by_env:
-        from vllm.platforms import current_platform
-
         install_env_selection(type(current_platform))
 
 
@@ -87,12 +85,6 @@ def _warn_outside_tested_versions() -> None:
             dist,
             version,
         )
-
-
-def _is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def _route_cpu_mla_through_selection(enum, register_backend) -> None:

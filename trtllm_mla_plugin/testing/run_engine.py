@@ -154,18 +154,43 @@ def record_schedule(llm: Any) -> list[list[list]] | None:
     return steps
 
 
-def spec_decode_counts(metrics: list) -> dict[str, float]:
-    """vLLM's speculative-decoding counters from ``LLM.get_metrics()`` (empty without it):
-    drafts, draft tokens, accepted tokens, and accepted tokens per draft position."""
-    counts: dict[str, float] = {}
-    for m in metrics:
-        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                      "vllm:spec_decode_num_accepted_tokens"):
-            key = m.name.removeprefix("vllm:spec_decode_")
-            counts[key] = counts.get(key, 0) + m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            counts["accepted_per_pos"] = list(m.values)
-    return counts
+#: Engine counters ``engine_counters`` reports (summed over labels; the per-position
+#: acceptance vector element-wise).
+COUNTERS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def engine_counters(llm: Any) -> dict[str, Any]:
+    """The engine's counters of interest from ``LLM.get_metrics()``, by short name (``vllm:``
+    dropped; speculative decoding's accepted tokens per draft position as
+    ``spec_decode_accepted_per_pos``). Counters the engine never created are absent."""
+    out: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if metric.name in COUNTERS:
+            key = metric.name.removeprefix("vllm:")
+            out[key] = out.get(key, 0) + metric.value
+        elif metric.name == ACCEPTED_PER_POS:
+            values = list(metric.values)
+            prev = out.get("spec_decode_accepted_per_pos", [0] * len(values))
+            out["spec_decode_accepted_per_pos"] = [a + b for a, b in zip(prev, values,
+                                                                         strict=True)]
+    return out
+
+
+def completion_record(output: Any) -> dict[str, Any]:
+    """One ``RequestOutput`` as the JSON the comparisons read: prompt length, generated
+    token ids and, per step, the top logprobs by token id."""
+    completion = output.outputs[0]
+    steps = [{str(tok): lp.logprob for tok, lp in step.items()} for step in completion.logprobs]
+    return {"prompt_len": len(output.prompt_token_ids),
+            "token_ids": list(completion.token_ids), "logprobs": steps}
 
 
 def main() -> None:
@@ -245,20 +270,14 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=2, ignore_eos=True)
               for m in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    result = {"prompts": []}
-    for out in outputs:
-        completion = out.outputs[0]
-        steps = [
-            {str(tok): lp.logprob for tok, lp in step.items()} for step in completion.logprobs
-        ]
-        result["prompts"].append(
-            {"prompt_len": len(out.prompt_token_ids), "token_ids": list(completion.token_ids),
-             "logprobs": steps}
-        )
+    result = {"prompts": [completion_record(out) for out in outputs]}
     result["schedule"] = schedule
-    metrics = llm.get_metrics()
-    result["num_preemptions"] = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
-    result["spec_decode"] = spec_decode_counts(metrics)
+    counts = engine_counters(llm)
+    result["num_preemptions"] = counts.get("num_preemptions", 0)
+    # Speculative decoding's counters (drafts, draft and accepted tokens, accepted per draft
+    # position): empty without speculation.
+    result["spec_decode"] = {key.removeprefix("spec_decode_"): value
+                             for key, value in counts.items() if key.startswith("spec_decode_")}
     result["engine_config"] = engine_config(llm)
     result["attention_classes"] = llm.collective_rpc(mla_attention_classes)
     from vllm.v1.attention.backends.registry import AttentionBackendEnum

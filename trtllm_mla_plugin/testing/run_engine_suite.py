@@ -37,32 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-#: Counters reported per call (summed over labels; the per-position acceptance vector
-#: separately).
-COUNTERS = (
-    "vllm:prefix_cache_queries",
-    "vllm:prefix_cache_hits",
-    "vllm:num_preemptions",
-    "vllm:spec_decode_num_drafts",
-    "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens",
-)
-ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-def counters(llm: Any) -> dict[str, Any]:
-    """The engine's counters of interest, by short name (``vllm:`` dropped)."""
-    out: dict[str, Any] = {}
-    for metric in llm.get_metrics():
-        if metric.name in COUNTERS:
-            key = metric.name.removeprefix("vllm:")
-            out[key] = out.get(key, 0) + metric.value
-        elif metric.name == ACCEPTED_PER_POS:
-            values = list(metric.values)
-            prev = out.get("spec_decode_accepted_per_pos", [0] * len(values))
-            out["spec_decode_accepted_per_pos"] = [a + b for a, b in zip(prev, values,
-                                                                         strict=True)]
-    return out
+from .run_engine import completion_record, engine_counters
 
 
 def delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -89,20 +64,14 @@ def run_call(llm: Any, call: dict[str, Any]) -> dict[str, Any]:
         max_tokens = [max_tokens] * len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=m, logprobs=call.get("logprobs", 2),
                              ignore_eos=True) for m in max_tokens]
-    before = counters(llm)
+    before = engine_counters(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    result: dict[str, Any] = {"prompts": [], "seconds": seconds}
-    for out in outputs:
-        completion = out.outputs[0]
-        steps = [{str(tok): lp.logprob for tok, lp in step.items()}
-                 for step in completion.logprobs]
-        result["prompts"].append({"prompt_len": len(out.prompt_token_ids),
-                                  "token_ids": list(completion.token_ids),
-                                  "logprobs": steps,
-                                  "finish_reason": completion.finish_reason})
-    result["counters"] = delta(counters(llm), before)
+    result: dict[str, Any] = {"seconds": seconds, "prompts": [
+        {**completion_record(out), "finish_reason": out.outputs[0].finish_reason}
+        for out in outputs]}
+    result["counters"] = delta(engine_counters(llm), before)
     return result
 
 
@@ -122,7 +91,7 @@ def run_suite(config: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {"start_seconds": time.perf_counter() - start, "workloads": {}}
     for workload in config["workloads"]:
         result["workloads"][workload["name"]] = [run_call(llm, c) for c in workload["calls"]]
-    result["counters"] = counters(llm)
+    result["counters"] = engine_counters(llm)
     return result
 
 

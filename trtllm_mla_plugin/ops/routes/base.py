@@ -17,6 +17,19 @@ import torch
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
 
+#: Largest finite float8_e4m3fn.
+FP8_MAX = 448.0
+
+
+def saturate_to_fp8(query: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``query`` ``[rows, heads, D]`` saturated to e4m3's range and stored in
+    ``buffer[:rows]`` (float8_e4m3fn, persistent so a captured run writes the address it
+    replays); returns that view. For routes whose kernel reads an FP8 query given a wider
+    one (``DecodeRoute.fp8_query``): ``q_scale`` stays the descale of the stored values."""
+    q8 = buffer[: query.shape[0]]
+    q8.copy_(query.clamp(-FP8_MAX, FP8_MAX))
+    return q8
+
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

@@ -31,12 +31,11 @@ import torch
 
 from ..platform import Platform
 from ..spec import FP8_DTYPES, DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, StagedTables, module_available
+from .base import DecodeRoute, StagedTables, module_available, saturate_to_fp8
 from .flashmla import RightAlignedQuery, flashmla_shape_reason
 
 EXTENSION_MODULE = "vllm._flashmla_extension_C"
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 #: FlashMLA's ``TileSchedulerMetaDataSize``.
 TILE_METADATA_WIDTH = 8
 
@@ -123,9 +122,7 @@ class FlashMLAFP8Route(DecodeRoute):
     ) -> torch.Tensor:
         spec = self.spec
         if self._query8 is not None:
-            q8 = self._query8[: query.shape[0]]
-            q8.copy_(query.clamp(-FP8_MAX, FP8_MAX))
-            query = q8
+            query = saturate_to_fp8(query, self._query8)
         tiles, splits = self._schedule
         result, _ = self._ops.fwd_kvcache_mla_fp8(
             self._query.gather(query),

@@ -23,7 +23,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, StagedTables, module_available
+from .base import DecodeRoute, StagedTables, module_available, saturate_to_fp8
 
 BLACKWELL_CAPABILITIES = ((10, 0), (10, 3))
 # (kv_lora_rank, rope_dim) -> qk_nope_head_dim. FlashInfer 0.7.2 keeps the argument only
@@ -31,7 +31,6 @@ BLACKWELL_CAPABILITIES = ((10, 0), (10, 3))
 # names for those dims (DeepSeek-V2/V3 and the smaller MLA layout).
 DENSE_MLA_DIMS: dict[tuple[int, int], int] = {(512, 64): 128, (256, 64): 64}
 SUPPORTED_BLOCK_SIZES = (32, 64)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 _workspaces: dict[torch.device, torch.Tensor] = {}
@@ -219,9 +218,7 @@ class _TrtllmMlaRoute(DecodeRoute):
         batch = self._batch
         b = batch.batch_size
         if self._query8 is not None:
-            q8 = self._query8[: query.shape[0]]
-            q8.copy_(query.clamp(-FP8_MAX, FP8_MAX))
-            query = q8
+            query = saturate_to_fp8(query, self._query8)
         kwargs = trtllm_gen_call_kwargs(
             spec=self.spec,
             backend=self.backend,

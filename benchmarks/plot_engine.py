@@ -24,8 +24,8 @@ def main(src: str, dst: str) -> None:
         for r in rows:
             if int(r["heads"]) == h:
                 kv = "bf16" if r["kv"] == "auto" else r["kv"]
-                series[f"{r['backend']} {kv}"].append((int(r["batch"]),
-                                                        float(r["tokens_per_s"])))
+                rate = r.get("decode_tokens_per_s") or r["tokens_per_s"]
+                series[f"{r['backend']} {kv}"].append((int(r["batch"]), float(rate)))
         for name, points in sorted(series.items()):
             xs, ys = zip(*sorted(points), strict=True)
             ax.plot(xs, ys, marker="o", label=name,
@@ -33,7 +33,8 @@ def main(src: str, dst: str) -> None:
                     linewidth=2.5 if name.startswith("TRTLLM") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch (requests decoding together)")
-        ax.set_ylabel("output tokens/s")
+        ax.set_ylabel("decode tokens/s" if rows and rows[0].get("decode_tokens_per_s")
+                      else "output tokens/s")
         ax.set_title(f"{h} heads per rank")
         ax.legend(fontsize=8)
     fig.suptitle("vLLM 0.33 decode throughput on NVIDIA H200 (bench_engine.py)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +47,14 @@ class Problem:
 def route_skip_reason(name: str, spec: DecodeSpec, device: torch.device) -> str | None:
     reason = ROUTES[name].unsupported_reason(spec, platform_of(device))
     return None if reason is None else f"{name} not eligible: {reason}"
+
+
+def with_host_lengths(batch: DecodeBatch) -> DecodeBatch:
+    """``batch`` with exact host copies of its lengths (as vLLM's builder passes them), so
+    host-side planners take their sync-free path."""
+    cu = batch.cu_seqlens_q
+    return replace(batch, seq_lens_host=batch.seq_lens.cpu(),
+                   cu_seqlens_q_host=None if cu is None else cu.cpu())
 
 
 def make_problem(

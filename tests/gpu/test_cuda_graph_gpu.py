@@ -20,6 +20,7 @@ from mla_cases import (
     make_problem,
     reference,
     route_skip_reason,
+    with_host_lengths,
 )
 
 pytestmark = [
@@ -65,10 +66,11 @@ def test_graph_replay_after_replan(route: str, schedule: tuple) -> None:
     decoder.plan(first.batch)
     graph = capture_decode(decoder, query, cache, out)
 
-    for p in steps[1:] + steps[:1]:
+    # Re-planned steps alternate between device-only and host-carrying lengths.
+    for i, p in enumerate(steps[1:] + steps[:1]):
         cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)
         p.kv_cache = cache
-        decoder.plan(p.batch)
+        decoder.plan(with_host_lengths(p.batch) if i % 2 == 0 else p.batch)
         query.copy_(p.query)
         p.query = query
         out.fill_(float("nan"))

@@ -11,7 +11,15 @@ import torch
 
 from trtllm_mla_plugin.ops import KVScales, MLADecoder
 
-from mla_cases import FP8, bounds, errors, make_problem, reference, route_skip_reason
+from mla_cases import (
+    FP8,
+    bounds,
+    errors,
+    make_problem,
+    reference,
+    route_skip_reason,
+    with_host_lengths,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,9 +57,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("lengths", ["device", "host"])
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_route_matches_reference(route: str, case: tuple) -> None:
+def test_route_matches_reference(route: str, case: tuple, lengths: str) -> None:
+    """``lengths="host"``: the batch also carries exact host copies of its lengths, as
+    vLLM's builder passes them (FlashInfer routes then plan without a device sync)."""
     _, heads, block, lens, q_lens, dtype, kv_dtype, scales = case
     device = torch.device("cuda")
     torch.manual_seed(hash((route, case[0])) % 2**31)
@@ -59,6 +70,8 @@ def test_route_matches_reference(route: str, case: tuple) -> None:
                      kv_dtype=kv_dtype, scales=scales or KVScales(), device=device)
     if (reason := route_skip_reason(route, p.spec, device)) is not None:
         pytest.skip(reason)
+    if lengths == "host":
+        p.batch = with_host_lengths(p.batch)
     decoder = MLADecoder(p.spec, device, max_batch_size=len(lens), route=route)
     decoder.plan(p.batch)
     out = torch.full((p.query.shape[0], heads, 512), float("nan"), dtype=decoder.output_dtype,
@@ -86,3 +99,29 @@ def test_second_step_replans() -> None:
         out = decoder.run(p.query, p.kv_cache)
         rel, _ = errors(out, reference(p))
         assert rel < 1e-2, (decoder.route_name, rel)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("route", ["flashinfer-fa3", "flashinfer-fa2"])
+def test_host_lengths_plan_without_device_sync(route: str, cuda_graph: bool) -> None:
+    """With exact host lengths FlashInfer's planner must not wait for the GPU (torch's sync
+    debug mode raises on any synchronising call), also with the length sort on."""
+    device = torch.device("cuda")
+    p = make_problem(heads=16, block=64, lens=[3000, 5, 700, 64, 1, 2500], q_lens=1,
+                     dtype=BF16, kv_dtype=BF16, device=device)
+    if (reason := route_skip_reason(route, p.spec, device)) is not None:
+        pytest.skip(reason)
+    decoder = MLADecoder(p.spec, device, max_batch_size=6, route=route, cuda_graph=cuda_graph)
+    batch = with_host_lengths(p.batch)
+    decoder.plan(batch)  # first plan: JIT load and wrapper set-up may synchronise
+    for sort in (False, True):
+        decoder.sort_override = sort
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            decoder.plan(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out = decoder.run(p.query, p.kv_cache)
+        rel, _ = errors(out, reference(p, route))
+        assert rel < 1e-2, (sort, rel)

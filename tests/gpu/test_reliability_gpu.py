@@ -28,6 +28,7 @@ from mla_cases import (
     make_problem,
     reference,
     route_skip_reason,
+    with_host_lengths,
 )
 
 pytestmark = [
@@ -186,7 +187,8 @@ def test_randomized_sweep(route: str) -> None:
             if decoder is None:
                 decoder = MLADecoder(p.spec, device, max_batch_size=SWEEP_MAX_BATCH, route=route)
                 decoders[p.spec] = decoder
-            decoder.plan(p.batch)
+            # Odd seeds carry exact host lengths (FlashInfer's sync-free planning path).
+            decoder.plan(with_host_lengths(p.batch) if seed % 2 else p.batch)
             out = _poisoned(p.query.shape[0], p.spec.num_heads, decoder.output_dtype)
             decoder.run(p.query, p.kv_cache, out=out, scales=p.scales)
             torch.cuda.synchronize()
@@ -323,10 +325,11 @@ def _graph_replays(route: str, q_len: int, pad_len: int, sizes: tuple[int, ...],
     cache = staging.normal_().to(dtype)
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
-    def batch_of(lens: list[int], table: torch.Tensor) -> DecodeBatch:
-        return DecodeBatch(block_table=table.to(device),
-                           seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-                           max_seq_len=GRAPH_WIDTH * 64, max_q_len=q_len)
+    def batch_of(lens: list[int], table: torch.Tensor, host: bool = False) -> DecodeBatch:
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        return DecodeBatch(block_table=table.to(device), seq_lens=lens_t.to(device),
+                           max_seq_len=GRAPH_WIDTH * 64, max_q_len=q_len,
+                           seq_lens_host=lens_t if host else None)
 
     for b in sizes:  # capture every size first, as vLLM does at start-up
         _, lens, table = _graph_step(rng, gen, b, q_len, pad_len, pad=False)
@@ -345,7 +348,7 @@ def _graph_replays(route: str, q_len: int, pad_len: int, sizes: tuple[int, ...],
         real, lens, table = _graph_step(rng, gen, b, q_len, pad_len, pad)
         padded_steps += real < b
         cache.copy_(staging.normal_())  # fresh data every step: stale reads cannot match
-        batch = batch_of(lens, table)
+        batch = batch_of(lens, table, host=step % 3 == 1)  # padded and unpadded steps
         decoder.plan(batch)
         query.copy_(torch.randn(query.shape, device=device))
         out.fill_(float("nan"))

@@ -65,6 +65,12 @@ class DecodeBatch:
         kv_tokens: host-side ``sum(seq_lens)`` when the caller has it (e.g. from vLLM's
             ``seq_lens_cpu``); lets the SM90 policy pick a route per batch without a
             device-to-host copy. ``None``: the decoder counts it only when it matters.
+        seq_lens_host: ``[batch]`` int32 on the CPU, equal to ``seq_lens`` (exact, not an
+            upper bound), or ``None``. Routes whose planner works on the host (FlashInfer
+            FA2/FA3) plan from it instead of copying ``seq_lens`` back from the device,
+            which would wait for the GPU every step.
+        cu_seqlens_q_host: ``[batch + 1]`` int32 on the CPU, equal to ``cu_seqlens_q``;
+            needed with ``seq_lens_host`` when ``cu_seqlens_q`` is given.
     """
 
     block_table: torch.Tensor
@@ -74,6 +80,8 @@ class DecodeBatch:
     max_q_len: int = 1
     num_tokens: int | None = None
     kv_tokens: int | None = None
+    seq_lens_host: torch.Tensor | None = None
+    cu_seqlens_q_host: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.cu_seqlens_q is None:
@@ -87,6 +95,13 @@ class DecodeBatch:
     @property
     def batch_size(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def host_lengths(self) -> bool:
+        """The host holds every length a host-side planner needs (no device copy)."""
+        return self.seq_lens_host is not None and (
+            self.cu_seqlens_q is None or self.cu_seqlens_q_host is not None
+        )
 
     @property
     def uniform_q_len(self) -> bool:

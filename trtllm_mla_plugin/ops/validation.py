@@ -61,6 +61,17 @@ def check_batch(spec: DecodeSpec, batch: DecodeBatch, max_batch_size: int) -> No
             f"cu_seqlens_q must be [batch + 1] = [{lens.shape[0] + 1}], "
             f"got {tuple(batch.cu_seqlens_q.shape)}"
         )
+    for name, host, size in (
+        ("seq_lens_host", batch.seq_lens_host, lens.shape[0]),
+        ("cu_seqlens_q_host", batch.cu_seqlens_q_host, lens.shape[0] + 1),
+    ):
+        if host is not None and (
+            host.device.type != "cpu" or host.shape != (size,) or host.dtype not in INDEX_DTYPES
+        ):
+            raise ValueError(
+                f"{name} must be a CPU int32 tensor of shape [{size}]; got "
+                f"{host.dtype} {tuple(host.shape)} on {host.device}"
+            )
 
 
 def check_run_inputs(

@@ -72,6 +72,12 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
                 f"{kv_cache_spec.block_size}"
             )
         self._seq_lens_host: torch.Tensor | None = None
+        # vLLM's host lengths are exact except under asynchronous speculative decoding,
+        # where they assume every draft token was accepted.
+        sched = vllm_config.scheduler_config
+        self._host_lens_exact = (
+            vllm_config.speculative_config is None or sched.async_scheduling is False
+        )
         self._slot_mapping: torch.Tensor | None = None
         # Set once a real step (not a warm-up or CUDA-graph capture run) has given decode
         # several query tokens per request; see _note_multi_token_decode.
@@ -118,6 +124,9 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         num_decodes = seq_lens_device.shape[0]
         single_token = num_decode_tokens == num_decodes
         host_lens = self._seq_lens_host
+        if host_lens is not None and host_lens.shape[0] < num_decodes:
+            host_lens = None
+        exact = host_lens is not None and self._host_lens_exact
         if not single_token and not self._multi_token_decode_seen:
             self._note_multi_token_decode(num_decodes, num_decode_tokens, max_query_len)
         self.decoder.plan(
@@ -129,6 +138,11 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
                 max_q_len=1 if single_token else max_query_len,
                 num_tokens=num_decode_tokens,
                 kv_tokens=None if host_lens is None else int(host_lens[:num_decodes].sum()),
+                seq_lens_host=host_lens[:num_decodes] if exact else None,
+                cu_seqlens_q_host=(
+                    query_start_loc_cpu[: num_decodes + 1] if exact and not single_token
+                    else None
+                ),
             )
         )
         return TrtllmMLADecodeMetadata(

@@ -21,6 +21,13 @@ Read from FlashInfer 0.7.2.post1 (``mla/_batch_mla/_wrapper.py``, ``_backends/_f
   the route hands the planner the requests longest first (longest-processing-time-first
   list scheduling) and
   puts the outputs back in the caller's order (docs/benchmarks.md, lever (a)).
+* ``plan`` runs on the host and needs every length there. Given device tensors (the
+  page-table form) it copies them back, waiting for the GPU, and slices the table row by row
+  in Python; in the engine that wait ends the overlap of host and GPU work each step (run 13:
+  b128 at two thirds of FLASHMLA's throughput). With exact host lengths
+  (``DecodeBatch.seq_lens_host``, which vLLM's builder has) the route passes the CSR form
+  instead: offsets and lengths on the host, page ids gathered on the device
+  (``paged_csr``), so planning never waits for the GPU.
 """
 
 from __future__ import annotations
@@ -90,6 +97,37 @@ def fa_unsupported_reason(
             "key unless the head count divides the tile; use fewer speculative tokens"
         )
     return None
+
+
+def paged_csr(
+    block_table: torch.Tensor, seq_lens_host: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page list from a dense block table, without a device sync.
+
+    Args:
+        block_table: ``[batch, max_blocks]`` int32 on the device.
+        seq_lens_host: ``[batch]`` int32 on the CPU, tokens per request.
+        page_size: tokens per page.
+
+    Returns:
+        ``kv_indptr``: ``[batch + 1]`` int32 on the CPU, page offsets per request;
+        ``kv_indices``: ``[kv_indptr[-1]]`` int32 on ``block_table``'s device, the first
+        ``ceil(seq_lens[i] / page_size)`` entries of each row, rows one after another.
+    """
+    pages = (seq_lens_host.to(torch.int64) + page_size - 1) // page_size
+    kv_indptr = torch.zeros(pages.numel() + 1, dtype=torch.int64)
+    torch.cumsum(pages, 0, out=kv_indptr[1:])
+    total = int(kv_indptr[-1])
+    device = block_table.device
+    # Sizes come from the host, so no step here waits for the GPU.
+    rows = torch.repeat_interleave(
+        torch.arange(pages.numel(), device=device), pages.to(device, non_blocking=True),
+        output_size=total,
+    )
+    starts = kv_indptr[:-1].to(device, non_blocking=True)
+    cols = torch.arange(total, device=device) - starts[rows]
+    kv_indices = block_table[rows, cols].to(torch.int32)
+    return kv_indptr.to(torch.int32), kv_indices
 
 
 class _FlashInferFARoute(DecodeRoute):
@@ -166,33 +204,17 @@ class _FlashInferFARoute(DecodeRoute):
         return wrapper
 
     def plan(self, batch: DecodeBatch) -> None:
-        from flashinfer.mla import MLAPlanMetadata
-
         spec, b = self.spec, batch.batch_size
-        cu = self._uniform_cu[: b + 1] if batch.uniform_q_len else batch.cu_seqlens_q
-        if batch.uniform_q_len and batch.max_q_len != spec.max_q_len:
-            cu = self._uniform_cu[: b + 1] // spec.max_q_len * batch.max_q_len
-        block_table, seq_lens = batch.block_table, batch.seq_lens
         # Under cuda_graph the gather/scatter path is fixed (captured); batches it cannot
         # reorder (ragged query lengths, one request) then take the identity permutation.
         self._sorted = self.sort_by_length and (self.cuda_graph or b > 1)
-        if self._sorted:
-            rows = batch.num_tokens
-            if batch.uniform_q_len and b > 1:
-                # Device-side argsort: no host sync beyond the one FlashInfer's plan makes.
-                perm = torch.argsort(seq_lens, descending=True, stable=True)
-                block_table, seq_lens = block_table[perm], seq_lens[perm]
-                m = batch.max_q_len
-                self._perm_rows[:rows].copy_(
-                    (perm[:, None] * m + self._row_ids[:m][None, :]).flatten())
-            else:
-                self._perm_rows[:rows].copy_(self._row_ids[:rows])
-        metadata = MLAPlanMetadata.dense(
-            cum_seq_lens_q=cu.to(torch.int32),
-            block_tables=block_table.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
-            max_q_len=batch.max_q_len,
-        )
+        reorder = self._sorted and batch.uniform_q_len and b > 1
+        if batch.host_lengths:
+            metadata = self._host_csr_metadata(batch, reorder)
+        else:
+            metadata = self._dense_metadata(batch, reorder)
+        if self._sorted and not reorder:
+            self._perm_rows[: batch.num_tokens].copy_(self._row_ids[: batch.num_tokens])
         wrapper = self._wrapper_for(batch)
         wrapper.plan(
             metadata=metadata,
@@ -208,6 +230,61 @@ class _FlashInferFARoute(DecodeRoute):
             scale_mode="kv-per-tensor" if spec.fp8_kv else "default",
         )
         self._wrapper = wrapper
+
+    def _query_indptr(self, batch: DecodeBatch, device: torch.device | None) -> torch.Tensor:
+        """``[batch + 1]`` int32 query-row offsets, on the device or (``None``) the host."""
+        b, m = batch.batch_size, batch.max_q_len
+        if not batch.uniform_q_len:
+            return batch.cu_seqlens_q if device is not None else batch.cu_seqlens_q_host
+        if device is None:
+            return torch.arange(b + 1, dtype=torch.int32) * m
+        cu = self._uniform_cu[: b + 1]
+        return cu if m == self.spec.max_q_len else cu // self.spec.max_q_len * m
+
+    def _record_permutation(self, batch: DecodeBatch, perm: torch.Tensor) -> None:
+        """Sorted row -> caller's row for the output scatter (``perm``: device, per request)."""
+        m = batch.max_q_len
+        self._perm_rows[: batch.num_tokens].copy_(
+            (perm[:, None] * m + self._row_ids[:m][None, :]).flatten())
+
+    def _dense_metadata(self, batch: DecodeBatch, reorder: bool) -> object:
+        """Page-table form from device tensors; FlashInfer copies the lengths to the host
+        (waiting for the GPU) and slices the table row by row in Python."""
+        from flashinfer.mla import MLAPlanMetadata
+
+        block_table, seq_lens = batch.block_table, batch.seq_lens
+        if reorder:
+            perm = torch.argsort(seq_lens, descending=True, stable=True)
+            block_table, seq_lens = block_table[perm], seq_lens[perm]
+            self._record_permutation(batch, perm)
+        return MLAPlanMetadata.dense(
+            cum_seq_lens_q=self._query_indptr(batch, self.device).to(torch.int32),
+            block_tables=block_table.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            max_q_len=batch.max_q_len,
+        )
+
+    def _host_csr_metadata(self, batch: DecodeBatch, reorder: bool) -> object:
+        """CSR form with the lengths and offsets on the host and the page ids gathered on
+        the device: FlashInfer's planner (which runs on the host) then never waits for the
+        GPU, so the engine's next step can be prepared while this one runs."""
+        from flashinfer.mla import MLAPlanMetadata
+
+        seq_lens = batch.seq_lens_host.to(torch.int32)
+        block_table = batch.block_table
+        if reorder:
+            perm = torch.argsort(seq_lens, descending=True, stable=True)
+            seq_lens = seq_lens[perm]
+            perm = perm.to(self.device, non_blocking=True)
+            block_table = block_table[perm]
+            self._record_permutation(batch, perm)
+        kv_indptr, kv_indices = paged_csr(block_table, seq_lens, self.spec.block_size)
+        return MLAPlanMetadata.csr(
+            qo_indptr=self._query_indptr(batch, None).to(torch.int32),
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_len_arr=seq_lens,
+        )
 
     def run(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales

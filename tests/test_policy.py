@@ -68,7 +68,8 @@ CASES = [
     (128, shape(128, 8 * K, 4 * K), "flashmla"),
     (128, shape(256, 4 * K, 2 * K), "flashmla"),
     (128, shape(64, 32 * K), "flashmla"),
-    (128, BatchShape(32, 1), "flashinfer-fa3"),  # lengths unknown (CUDA graphs): by size
+    (128, BatchShape(32, 1), "flashmla"),  # lengths unknown (CUDA graphs): FlashMLA
+    (16, BatchShape(1, 1), "flashmla"),
     (16, BatchShape(64, 1), "flashmla"),
 ]
 
@@ -238,19 +239,17 @@ def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):
     assert stubs["flashinfer-fa3"].plans == [(128, True), (32, False)]
 
 
-def test_cuda_graph_decoder_keeps_route_per_batch_size(kernels_present, monkeypatch):
-    """Under CUDA graphs the route depends on the batch size alone: FA3 below 64 requests,
-    FlashMLA from 64 on (run 13: FA3's per-step host plan cost the engine a third of its
-    throughput at b128/b256), whatever the lengths."""
+def test_cuda_graph_decoder_takes_flashmla_for_every_batch(kernels_present, monkeypatch):
+    """Under CUDA graphs FlashMLA serves every batch, whatever its size and lengths:
+    FlashInfer FA3's per-step plan is 1-2 ms of host Python (run 17), FlashMLA's a kernel
+    launch. FA3 stays behind it for specs FlashMLA cannot serve."""
     dec, stubs = stub_decoder(monkeypatch, heads=128, cuda_graph=True)
-    for lens in ([8 * K] * 128, [8 * K, 2 * K] * 64, [32 * K] * 128, [1] * 128):
+    for lens in ([8 * K] * 128, [8 * K, 2 * K] * 64, [32 * K] * 128, [1] * 128, [8 * K] * 32,
+                 [8 * K, 2 * K] * 16, [32 * K] * 63, [1] * 1):
         dec.plan(batch(lens))
-        assert dec.route.name == "flashmla"
-    for lens in ([8 * K] * 32, [8 * K, 2 * K] * 16, [32 * K] * 63, [1] * 32):
-        dec.plan(batch(lens))
-        assert dec.route.name == "flashinfer-fa3"
-    assert stubs["flashmla"].plans == [(128, False)] * 4
-    assert [b for b, _ in stubs["flashinfer-fa3"].plans] == [32, 32, 63, 32]
+        assert dec.route.name == "flashmla", len(lens)
+    assert [b for b, _ in stubs["flashmla"].plans] == [128, 128, 128, 128, 32, 32, 63, 1]
+    assert stubs["flashinfer-fa3"].plans == []
 
 
 def test_forced_route_is_the_only_route(kernels_present, monkeypatch):

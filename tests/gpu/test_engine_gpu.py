@@ -8,10 +8,15 @@ step, a divergence accepted only where the reference's two best tokens are withi
 within ``LOGPROB_ATOL`` up to there, and at least ``MIN_COMPARED`` of all steps compared.
 
 Tolerances. The model is bfloat16: two correct bf16 MLA decoders differ in rounding, and a
-random model's logprobs move by up to a few 1e-2 with it, so near-ties and logprob
-differences up to 5e-2 are tolerated (bf16 has 8 bits of mantissa: 2^-8 = 3.9e-3 relative
-per rounding). FP8 (e4m3) caches and queries add ~2e-2 relative error to attention
-(measured on the H200), so FP8 comparisons tolerate 0.15.
+random model's logprobs move with it over the steps of a generation. Measured on the H200
+(2026-11-30, run 16; docs/gpu-validation.md): on the "mix" and "prefix" workloads vLLM's
+own TRITON_MLA (block 32) and FLASHMLA (block 64) differ by up to 0.062 in logprob, and
+every engine, vLLM's and the plugin's, lies within 0.036-0.053 of the same model run in
+float32 on vLLM's CPU engine (benchmarks/engine_vs_float32.py).
+So near-ties and logprob differences up to 0.1 are tolerated (BF16_TOL): above the floor of
+two correct bf16 engines, far below what a wrong attention output gives (a dropped or
+misplaced key changes logprobs by whole units). FP8 (e4m3) caches and queries add ~2e-2
+relative error to attention (measured on the H200), so FP8 comparisons tolerate 0.15.
 
 Engines (one per configuration, each serving several checks, each started at most once per
 session; ``ENGINES`` lists them): the model is bf16 with DeepSeek-V3's per-rank geometry
@@ -76,7 +81,7 @@ SKIP_REASON = _skip_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP_REASON is not None,
                                                    reason=SKIP_REASON or "")]
 
-BF16_TOL = 5e-2
+BF16_TOL = 0.1
 FP8_TOL = 0.15
 #: A comparison must reach at least this share of all generated steps before divergences
 #: at near-ties end it (else it proves little).
@@ -547,7 +552,9 @@ def test_openai_server_with_32_concurrent_clients(models, engine):
                 if best[0] - best[1] > BF16_TOL:
                     problems.append(f"request {i} step {step}: {ours} vs {theirs} ({best})")
                 break
+    (folder / "responses.json").write_text(json.dumps(responses))
     _record(engine.root, "server vs flashmla offline",
-            {"compared_steps": compared, "total_steps": sum(CLIENT_TOKENS)})
+            {"compared_steps": compared, "total_steps": sum(CLIENT_TOKENS),
+             "problems": problems})
     assert problems == []
     assert compared >= MIN_COMPARED * sum(CLIENT_TOKENS)

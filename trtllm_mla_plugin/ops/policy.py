@@ -26,7 +26,7 @@ TRITON = "triton-balanced"
 # kernel takes head counts TRTLLM-gen cannot tile.
 BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 # SM90: FlashInfer FA3 (with length-sorted requests) by default; FlashMLA first for the
-# batches of ``hopper_prefers_flashmla``.
+# batches of ``hopper_prefers_flashmla`` (every batch under CUDA graphs).
 HOPPER = (FA3, FLASHMLA, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, FA2, REFERENCE)
 # SM90, FP8 cache: FlashMLA's dense FP8 kernel (FP8 query) first for every batch. Behind it,
@@ -60,17 +60,13 @@ FLASHMLA_UNIFORM_LONG_SEQ = 32 * 1024
 #: query tiles (ceil(heads * q_len / 64)). Fitted on 390 random shapes (run 12): below it
 #: FA3's lower fixed cost wins (h128 b1 62k: FA3 54 us, FlashMLA 69; h8 b10 46k: 87 vs 102).
 FLASHMLA_MIN_WORK = 200_000
-#: Under CUDA graphs (lengths unknown when ranking) FlashMLA goes first from this batch size
-#: on. In the engine (run 13: h16, bf16, prompts 1k-8k, CUDA graphs) TRTLLM_MLA on FA3 made
-#: 9.8k / 11.5k output tokens/s at b128 / b256 against 14.5k / 16.8k for vLLM's FLASHMLA,
-#: while the attention kernels were ~6% of a decode step: the cost is FA3's per-step host
-#: planning, not its kernel (FlashInfer's plan copies lengths to the host, waiting for the
-#: GPU, and loops over the requests in Python: mla/_batch_mla/_planning.py). At
-#: b32 the two were level (5.8k vs 5.7k). Between 32 and 128 nothing was measured; 64 is a
-#: judgement: FlashMLA gives up at most FA3's kernel lead there (b64 4k: 81 vs 94 us, ~1% of
-#: a step at run 13's attention share) against a planning cost that reached a third of the
-#: step at b128. FlashMLA's schedule is computed on the device.
-FLASHMLA_GRAPH_MIN_BATCH = 64
+# Under CUDA graphs (lengths unknown when ranking; the engine's default) FlashMLA goes first
+# for every batch size: its schedule is one kernel launch (plan: 30-115 us of host time),
+# while FlashInfer FA3's plan is 1.1-2.3 ms of Python on the host per step even with exact
+# host lengths (run 17, ``bench_plan_host.py``), and 5 ms more when it has to copy lengths
+# back from a busy GPU. In the engine (runs 13-15, h16 bf16, CUDA graphs) TRTLLM_MLA on FA3
+# was slower than vLLM's FLASHMLA at b128/b256 and in 3 of 4 samples at b32; FA3's kernel
+# lead over FlashMLA is a few us per layer where it has one.
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -133,8 +129,8 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md)."""
     if shape is None:
         return False
-    if shape.max_seq_len is None:  # CUDA graphs: by batch size alone
-        return shape.batch_size >= FLASHMLA_GRAPH_MIN_BATCH
+    if shape.max_seq_len is None:  # CUDA graphs: FlashMLA always ("Under CUDA graphs" above)
+        return True
     kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
     if kv_tokens * query_tiles(spec, shape.max_q_len) < FLASHMLA_MIN_WORK:
         return False

@@ -5,6 +5,10 @@ Usage (on the GPU machine, with a CUDA vLLM importable)::
     python benchmarks/bench_engine.py --out DIR [--heads 16,128] [--batches 32,128,256]
         [--kv auto,fp8] [--backends TRTLLM_MLA,FLASHMLA,TRITON_MLA] [--output-len 64]
 
+``--rounds R`` starts every engine R times, the backends interleaved within each round, and
+reports each point's median: engine-to-engine spread on a small model is large (run 15: up
+to 40% between two engines running the same kernel).
+
 A backend ``TRTLLM_MLA@ROUTE`` runs the plugin with its decode route forced
 (``TRTLLM_MLA_DECODE_ROUTE=ROUTE``), e.g. ``TRTLLM_MLA@flashinfer-fa3``.
 
@@ -46,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-FIELDS = ["heads", "kv", "backend", "batch", "output_len", "decode_s", "tokens_per_s",
+FIELDS = ["round", "heads", "kv", "backend", "batch", "output_len", "decode_s", "tokens_per_s",
           "tpot_ms", "short_len", "short_s", "step_ms", "decode_tokens_per_s", "route",
           "attn_layer_us", "attn_share", "status"]
 
@@ -174,6 +178,32 @@ def write_csv(path: Path, rows: list[dict]) -> None:
             w.writerow({k: r.get(k, "") for k in FIELDS})
 
 
+def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, backend: str,
+                rnd: int) -> list[dict]:
+    """Start one engine in its own process; its rows, or one row saying why it failed."""
+    tag = f"{heads}-{kv}-{backend.replace('@', '-')}-r{rnd}"
+    result = args.out / f"r-{tag}.json"
+    cmd = [sys.executable, __file__, "--worker", "--model", str(model),
+           "--heads", str(heads), "--kv", kv, "--backend", backend,
+           "--batches", args.batches, "--output-len", str(args.output_len),
+           "--short-len", str(args.short_len), "--repeats", str(args.repeats),
+           "--min-prompt", str(args.min_prompt), "--max-prompt",
+           str(args.max_prompt), "--seed", str(args.seed), "--layers",
+           str(args.layers), "--result", str(result)]
+    log = args.out / f"log-{tag}.txt"
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc == 0 and result.exists():
+        return [dict(r, round=rnd) for r in json.loads(result.read_text())]
+    tail = log.read_text()[-300:].replace("\n", " | ")
+    return [dict(round=rnd, heads=heads, kv=kv, backend=backend,
+                 status=f"failed ({rc}): {tail}")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("engine-out"))
@@ -190,6 +220,9 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per engine")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="start every engine this many times, backends interleaved per round; "
+                         "the table reports each point's median over rounds")
     # worker-only arguments
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -209,42 +242,33 @@ def main() -> None:
             args.out / f"model-h{heads}", num_layers=args.layers, num_heads=heads,
             hidden_size=1024, vocab_size=1024, dtype="bfloat16",
             max_position_embeddings=args.max_prompt + args.output_len + 64)
-        for kv in args.kv.split(","):
-            for backend in args.backends.split(","):
-                tag = f"{heads}-{kv}-{backend.replace('@', '-')}"
-                result = args.out / f"r-{tag}.json"
-                cmd = [sys.executable, __file__, "--worker", "--model", str(model),
-                       "--heads", str(heads), "--kv", kv, "--backend", backend,
-                       "--batches", args.batches, "--output-len", str(args.output_len),
-                       "--short-len", str(args.short_len), "--repeats", str(args.repeats),
-                       "--min-prompt", str(args.min_prompt), "--max-prompt",
-                       str(args.max_prompt), "--seed", str(args.seed), "--layers",
-                       str(args.layers), "--result", str(result)]
-                t0 = time.time()
-                log = args.out / f"log-{tag}.txt"
-                with open(log, "w") as f:
-                    try:
-                        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                            timeout=args.timeout).returncode
-                    except subprocess.TimeoutExpired:
-                        rc = "timeout"
-                if rc == 0 and result.exists():
-                    rows += json.loads(result.read_text())
-                else:
-                    tail = log.read_text()[-300:].replace("\n", " | ")
-                    rows.append(dict(heads=heads, kv=kv, backend=backend,
-                                     status=f"failed ({rc}): {tail}"))
-                print(f"[{time.time() - t0:.0f}s] h{heads} {kv} {backend}: "
-                      f"{rows[-1].get('status', '')[:100]}", flush=True)
-                # After every engine, so that a run stopped part-way keeps what it measured.
-                write_csv(args.out / "engine.csv", rows)
-    print(f"\n{'heads':>5} {'kv':>4} {'backend':>26} {'batch':>5} {'decode tok/s':>12} "
-          f"{'step ms':>8} {'gen tok/s':>9} {'share':>5}")
+        for kv, rnd, backend in ((kv, rnd, backend) for kv in args.kv.split(",")
+                                 for rnd in range(args.rounds)
+                                 for backend in args.backends.split(",")):
+            t0 = time.time()
+            rows += engine_rows(args, model, heads, kv, backend, rnd)
+            print(f"[{time.time() - t0:.0f}s] h{heads} {kv} {backend} round {rnd}: "
+                  f"{rows[-1].get('status', '')[:100]}", flush=True)
+            # After every engine, so that a run stopped part-way keeps what it measured.
+            write_csv(args.out / "engine.csv", rows)
+    print_medians(rows)
+
+
+def print_medians(rows: list[dict]) -> None:
+    """Per (heads, kv, backend, batch): the median decode step over rounds, and its range."""
+    from statistics import median
+
+    steps: dict[tuple, list[float]] = {}
     for r in rows:
         if r.get("status") == "ok":
-            print(f"{r['heads']:>5} {r['kv']:>4} {r['backend']:>26} {r['batch']:>5} "
-                  f"{r['decode_tokens_per_s']:>12} {r['step_ms']:>8} {r['tokens_per_s']:>9} "
-                  f"{r.get('attn_share', ''):>5}")
+            key = (r["heads"], r["kv"], r["backend"], int(r["batch"]))
+            steps.setdefault(key, []).append(float(r["step_ms"]))
+    print(f"\n{'heads':>5} {'kv':>4} {'backend':>26} {'batch':>5} {'decode tok/s':>12} "
+          f"{'step ms (median)':>16} {'min-max':>13} {'rounds':>6}")
+    for (heads, kv, backend, batch), ms in steps.items():
+        mid = median(ms)
+        print(f"{heads:>5} {kv:>4} {backend:>26} {batch:>5} {batch / mid * 1e3:>12.0f} "
+              f"{mid:>16.3f} {min(ms):>6.2f}-{max(ms):<6.2f} {len(ms):>6}")
 
 
 if __name__ == "__main__":

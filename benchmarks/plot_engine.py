@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import sys
 from collections import defaultdict
+from statistics import median
 
 
 def main(src: str, dst: str) -> None:
@@ -27,7 +28,11 @@ def main(src: str, dst: str) -> None:
                 rate = r.get("decode_tokens_per_s") or r["tokens_per_s"]
                 series[f"{r['backend']} {kv}"].append((int(r["batch"]), float(rate)))
         for name, points in sorted(series.items()):
-            xs, ys = zip(*sorted(points), strict=True)
+            by_batch: dict[int, list[float]] = defaultdict(list)
+            for x, y in points:  # several rounds: plot the median
+                by_batch[x].append(y)
+            xs = sorted(by_batch)
+            ys = [median(by_batch[x]) for x in xs]
             ax.plot(xs, ys, marker="o", label=name,
                     linestyle="--" if "fp8" in name else "-",
                     linewidth=2.5 if name.startswith("TRTLLM") else 1.2)

@@ -103,7 +103,9 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
     if fp8:
         ks.append(decoder_kernel("flashmla-fp8-bf16q", case, "flashmla-fp8"))
     else:
-        ks.append(decoder_kernel("flashmla", case, "flashmla"))
+        # As the engine calls it (no output buffer: the route hands back FlashMLA's own),
+        # so policy replays from these rows (evaluate_policy.py) see the engine's cost.
+        ks.append(decoder_kernel("flashmla", case, "flashmla", engine_query=True))
     if mode == "train":
         return ks
     if fp8 and mode == "grid":

@@ -179,7 +179,8 @@ class MLADecoder:
             batch.batch_size, batch.max_q_len, batch.max_seq_len, batch.kv_tokens
         )
         if policy.wants_kv_tokens(self.spec, shape):
-            kv_tokens = int(batch.seq_lens.sum())  # one device->host copy per step
+            lens = batch.seq_lens if batch.seq_lens_host is None else batch.seq_lens_host
+            kv_tokens = int(lens.sum())  # a device->host copy unless the host has the lengths
             shape = policy.BatchShape(
                 batch.batch_size, batch.max_q_len, batch.max_seq_len, kv_tokens
             )

@@ -124,8 +124,8 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         num_decodes = seq_lens_device.shape[0]
         single_token = num_decode_tokens == num_decodes
         host_lens = self._seq_lens_host
-        if host_lens is not None and host_lens.shape[0] < num_decodes:
-            host_lens = None
+        if host_lens is not None:
+            host_lens = host_lens[:num_decodes] if host_lens.shape[0] >= num_decodes else None
         exact = host_lens is not None and self._host_lens_exact
         if not single_token and not self._multi_token_decode_seen:
             self._note_multi_token_decode(num_decodes, num_decode_tokens, max_query_len)
@@ -137,8 +137,8 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
                 cu_seqlens_q=None if single_token else query_start_loc_device,
                 max_q_len=1 if single_token else max_query_len,
                 num_tokens=num_decode_tokens,
-                kv_tokens=None if host_lens is None else int(host_lens[:num_decodes].sum()),
-                seq_lens_host=host_lens[:num_decodes] if exact else None,
+                kv_tokens=None if host_lens is None else int(host_lens.sum()),
+                seq_lens_host=host_lens if exact else None,
                 cu_seqlens_q_host=(
                     query_start_loc_cpu[: num_decodes + 1] if exact and not single_token
                     else None

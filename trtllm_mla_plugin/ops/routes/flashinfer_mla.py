@@ -231,12 +231,12 @@ class _FlashInferFARoute(DecodeRoute):
         )
         self._wrapper = wrapper
 
-    def _query_indptr(self, batch: DecodeBatch, device: torch.device | None) -> torch.Tensor:
-        """``[batch + 1]`` int32 query-row offsets, on the device or (``None``) the host."""
+    def _query_indptr(self, batch: DecodeBatch, on_host: bool) -> torch.Tensor:
+        """``[batch + 1]`` int32 query-row offsets, on the host or the device."""
         b, m = batch.batch_size, batch.max_q_len
         if not batch.uniform_q_len:
-            return batch.cu_seqlens_q if device is not None else batch.cu_seqlens_q_host
-        if device is None:
+            return batch.cu_seqlens_q_host if on_host else batch.cu_seqlens_q
+        if on_host:
             return torch.arange(b + 1, dtype=torch.int32) * m
         cu = self._uniform_cu[: b + 1]
         return cu if m == self.spec.max_q_len else cu // self.spec.max_q_len * m
@@ -258,7 +258,7 @@ class _FlashInferFARoute(DecodeRoute):
             block_table, seq_lens = block_table[perm], seq_lens[perm]
             self._record_permutation(batch, perm)
         return MLAPlanMetadata.dense(
-            cum_seq_lens_q=self._query_indptr(batch, self.device).to(torch.int32),
+            cum_seq_lens_q=self._query_indptr(batch, on_host=False).to(torch.int32),
             block_tables=block_table.to(torch.int32),
             seq_lens=seq_lens.to(torch.int32),
             max_q_len=batch.max_q_len,
@@ -280,7 +280,7 @@ class _FlashInferFARoute(DecodeRoute):
             self._record_permutation(batch, perm)
         kv_indptr, kv_indices = paged_csr(block_table, seq_lens, self.spec.block_size)
         return MLAPlanMetadata.csr(
-            qo_indptr=self._query_indptr(batch, None).to(torch.int32),
+            qo_indptr=self._query_indptr(batch, on_host=True).to(torch.int32),
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
             kv_len_arr=seq_lens,

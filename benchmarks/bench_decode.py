@@ -43,6 +43,7 @@ from decode_kernels import (
     flashmla_peer,
     plugin_kernels,
     triton_peer,
+    vllm_fa3_mla_peer,
 )
 
 from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, mla_decode_reference
@@ -216,6 +217,7 @@ def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
         ks.append(flashmla_fp8_peer(case))
     else:
         ks.append(flashmla_peer(case))
+        ks.append(vllm_fa3_mla_peer(case))
         ragged = case.batch.max_seq_len != min(case.lens_host)
         if mode == "grid" and ragged and case.q_len == 1:
             ks.append(flashmla_peer(case, sort=True))

@@ -3,7 +3,11 @@
 Usage (on the GPU machine, with a CUDA vLLM importable)::
 
     python benchmarks/bench_engine.py --out DIR [--heads 16,128] [--batches 32,128,256]
-        [--kv auto,fp8] [--backends TRTLLM_MLA,FLASHMLA,TRITON_MLA] [--output-len 64]
+        [--kv auto,fp8] [--backends TRTLLM_MLA,FLASH_ATTN_MLA,FLASHMLA,TRITON_MLA]
+        [--output-len 64]
+
+FLASH_ATTN_MLA (FA3 MLA) is what vLLM 0.33 selects for MLA on SM90 with a bf16 cache;
+FLASHMLA is its pick for FP8 caches (FLASH_ATTN_MLA refuses them).
 
 ``--rounds R`` starts every engine R times, the backends interleaved within each round, and
 reports each point's median: engine-to-engine spread on a small model is large (run 15: up
@@ -210,7 +214,7 @@ def main() -> None:
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--batches", default="32,128,256")
     ap.add_argument("--kv", default="auto,fp8")
-    ap.add_argument("--backends", default="TRTLLM_MLA,FLASHMLA,TRITON_MLA")
+    ap.add_argument("--backends", default="TRTLLM_MLA,FLASH_ATTN_MLA,FLASHMLA,TRITON_MLA")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per length (fastest kept)")

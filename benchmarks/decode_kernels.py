@@ -20,6 +20,7 @@ from trtllm_mla_plugin.ops.routes import ROUTES
 FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
 FLASHMLA_FP8_MODULE = "vllm._flashmla_extension_C"
 TRITON_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
+VLLM_FA3_MODULE = "vllm.vllm_flash_attn.flash_attn_interface"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -58,11 +59,13 @@ def fp8_query(query: torch.Tensor) -> torch.Tensor:
 
 def decoder_kernel(
     name: str, case: Case, route: str | None, sort: bool | None = None,
-    engine_query: bool = False,
+    engine_query: bool = False, cuda_graph: bool = False,
 ) -> Kernel:
     """``MLADecoder`` (``route=None``: the policy's pick per batch). ``engine_query``: the
     query dtype vLLM would hand over (``engine_query_dtype``: FP8 for FP8-query routes) and
-    no output buffer where the route returns its own, as the engine calls it."""
+    no output buffer where the route returns its own, as the engine calls it.
+    ``cuda_graph``: the route's CUDA-graph set-up (the engine's default), for routes whose
+    schedule depends on it (``vllm-fa3-mla`` caps its KV splits)."""
     spec, device = case.spec, case.query.device
     query = case.query
     if engine_query:
@@ -73,7 +76,7 @@ def decoder_kernel(
         reason = ROUTES[route].unsupported_reason(spec, platform_of(device))
         if reason is not None:
             return Kernel(name, absent=f"not eligible: {reason}")
-    dec = MLADecoder(spec, device, case.batch.batch_size, route=route)
+    dec = MLADecoder(spec, device, case.batch.batch_size, route=route, cuda_graph=cuda_graph)
     dec.sort_override = sort
     dec.plan(case.batch)
     out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
@@ -106,6 +109,7 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
         # As the engine calls it (no output buffer: the route hands back FlashMLA's own),
         # so policy replays from these rows (evaluate_policy.py) see the engine's cost.
         ks.append(decoder_kernel("flashmla", case, "flashmla", engine_query=True))
+        ks.append(decoder_kernel("vllm-fa3-mla", case, "vllm-fa3-mla", cuda_graph=True))
     if mode == "train":
         return ks
     if fp8 and mode == "grid":
@@ -145,11 +149,12 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
         if perm is not None:
             torch.index_select(q, 0, perm, out=q_sorted)
             qq = q_sorted
-        # vLLM's FLASHMLA passes no ``out=`` (FlashMLA's ``out=`` fails for q_len > 1).
+        # vLLM's FLASHMLA passes causal=True, also for one query token, and no ``out=``
+        # (FlashMLA's ``out=`` fails for q_len > 1).
         result, _ = fm.flash_mla_with_kvcache(
             q=qq, k_cache=cache.unsqueeze(-2), block_table=table, cache_seqlens=lens,
             head_dim_v=spec.kv_lora_rank, tile_scheduler_metadata=meta,
-            softmax_scale=spec.softmax_scale, causal=m > 1, out=out4 if m == 1 else None,
+            softmax_scale=spec.softmax_scale, causal=True, out=out4 if m == 1 else None,
         )
         if perm is not None:
             out.index_copy_(0, perm, result)
@@ -157,6 +162,40 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
         return result.view(b * m, spec.num_heads, spec.kv_lora_rank)
 
     return Kernel(name, call, out=out4)
+
+
+def vllm_fa3_mla_peer(case: Case) -> Kernel:
+    """vLLM's default MLA backend on SM90 with a bf16 cache, ``FLASH_ATTN_MLA``: FA3's MLA
+    decode (``vllm_flash_attn.flash_attn_varlen_func`` with ``q_v``) called as
+    ``v1/attention/backends/mla/flashattn_mla.py`` does under full CUDA graphs (scheduler
+    metadata made once per step outside the timed call, at most 32 KV splits)."""
+    name = "peer:vllm-fa3-mla"
+    spec, b, m = case.spec, case.batch.batch_size, case.q_len
+    if spec.fp8_kv:
+        return Kernel(name, absent="vLLM's FLASH_ATTN_MLA serves bf16/fp16 caches only")
+    try:
+        fa = importlib.import_module(VLLM_FA3_MODULE)
+    except Exception as exc:
+        return Kernel(name, absent=f"import failed: {exc!r}")
+    dc, splits = spec.kv_lora_rank, 32
+    table, lens = case.batch.block_table, case.batch.seq_lens
+    cu = torch.arange(0, b * m + 1, m, dtype=torch.int32, device=case.query.device)
+    meta = fa.get_scheduler_metadata(
+        batch_size=b, max_seqlen_q=m, max_seqlen_k=case.batch.max_seq_len,
+        num_heads_q=spec.num_heads, num_heads_kv=1, headdim=spec.rope_dim,
+        cache_seqlens=lens, qkv_dtype=spec.kv_dtype, headdim_v=dc, cu_seqlens_q=cu,
+        page_size=spec.block_size, causal=True, num_splits=splits)
+    q = case.query
+
+    def call(cache: torch.Tensor) -> torch.Tensor:
+        kv = cache.unsqueeze(-2)
+        return fa.flash_attn_varlen_func(
+            q=q[..., dc:], k=kv[..., dc:], v=kv[..., :dc], q_v=q[..., :dc], max_seqlen_q=m,
+            cu_seqlens_q=cu, max_seqlen_k=case.batch.max_seq_len, seqused_k=lens,
+            block_table=table, softmax_scale=spec.softmax_scale, causal=True, fa_version=3,
+            scheduler_metadata=meta, num_splits=splits)
+
+    return Kernel(name, call, out=torch.empty(0, device=q.device))
 
 
 def flashmla_fp8_peer(case: Case) -> Kernel:

@@ -1,11 +1,16 @@
 """How the *current* SM90 policy does on measured shapes, without a GPU.
 
-``python benchmarks/evaluate_policy.py shapes.jsonl FILE.csv [FILE.csv ...]`` reads
-bench_decode.py output (every route of the policy timed forced on every shape, and every
-peer), picks for each bf16 shape the route ``ops.policy`` ranks first (per batch, lengths
-known, as an eager decoder does) and prints its time over the best peer's: per file the
-worst and the geometric-mean ratio (> 1: the plugin is faster) and the shapes under 0.95.
-FP8 shapes report the plugin's own dispatched time (``plugin[...]`` rows).
+``python benchmarks/evaluate_policy.py [--graph] [--vs PEER] shapes.jsonl FILE.csv ...``
+reads bench_decode.py output (every route of the policy timed forced on every shape, and
+every peer), picks for each bf16 shape the route ``ops.policy`` ranks first (per batch,
+lengths known, as an eager decoder does; ``--graph``: batch size and query length only, as
+a CUDA-graph decoder does) and prints its time over the best peer's (``--vs PEER``: over
+that peer's, e.g. ``peer:vllm-fa3-mla``, vLLM's default SM90 kernel for bf16 caches): per
+file the worst and the geometric-mean ratio (> 1: the plugin is faster) and the shapes under
+0.95. FP8 shapes report the plugin's own dispatched time (``plugin[...]`` rows).
+
+Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
+for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
 """
 
 from __future__ import annotations
@@ -21,13 +26,17 @@ import torch
 from trtllm_mla_plugin.ops import DecodeSpec, policy
 
 #: Row names of the forced plugin routes the bf16 policy picks between.
-ROUTE_ROWS = {"fa3": "peer:flashinfer-fa3", "fa3-sorted": "fa3-sorted", "flashmla": "flashmla"}
+ROUTE_ROWS = {"fa3": "peer:flashinfer-fa3", "fa3-sorted": "fa3-sorted", "flashmla": "flashmla",
+              "vllm-fa3-mla": "vllm-fa3-mla"}
 
 
-def policy_row(r: dict, lens: list[int]) -> str:
+def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
     """Row name of the kernel the current policy runs for this bf16 shape."""
     heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
+    if graph:
+        ranking = policy.rank(spec, policy_platform(), policy.BatchShape(b, q))
+        return ROUTE_ROWS[next(n for n in ranking if n in ROUTE_ROWS)]
     shape = policy.BatchShape(b, q, max(lens), sum(lens))
     if r["block"] == "64" and policy.hopper_prefers_flashmla(spec, shape):
         return ROUTE_ROWS["flashmla"]
@@ -35,37 +44,58 @@ def policy_row(r: dict, lens: list[int]) -> str:
     return ROUTE_ROWS["fa3-sorted" if sort else "fa3"]
 
 
-def ratios(path: str, lens: dict[str, list[int]]) -> list[tuple[float, str, str]]:
+def policy_platform():
+    from trtllm_mla_plugin.ops import Platform
+
+    return Platform("cuda", (9, 0), "NVIDIA H200")
+
+
+def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
+           vs: str | None = None) -> list[tuple[float, str, str]]:
     by: dict[str, dict[str, dict]] = defaultdict(dict)
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
-            if r.get("pass_no", "1") == "1" and r["us"]:
+            if r.get("pass_no", "1") == "1" and r["us"] and r.get("status", "ok") == "ok":
                 by[r["shape"]][r["kernel"]] = r
     out = []
     for shape, ks in by.items():
+        if "vllm-fa3-mla" not in ks and "peer:vllm-fa3-mla" in ks:
+            ks["vllm-fa3-mla"] = ks["peer:vllm-fa3-mla"]
         peers = {n: float(r["us"]) for n, r in ks.items()
                  if n.startswith("peer:") and "sorted" not in n}
+        if vs is not None:
+            peers = {n: t for n, t in peers.items() if n.startswith(vs)}
         if not peers:
             continue
         any_row = next(iter(ks.values()))
         if any_row["kv"] == "fp8":
             name = next((n for n in ks if n.startswith("plugin")), None)
         else:
-            name = policy_row(any_row, lens[shape])
+            name = policy_row(any_row, lens[shape], graph)
         if name is None or name not in ks:
             continue
         out.append((min(peers.values()) / float(ks[name]["us"]), shape, name))
     return out
 
 
-def main(shapes_path: str, *paths: str) -> None:
+def main(*argv: str) -> None:
+    args = list(argv)
+    graph = "--graph" in args
+    if graph:
+        args.remove("--graph")
+    vs = None
+    if "--vs" in args:
+        i = args.index("--vs")
+        vs = args[i + 1]
+        del args[i:i + 2]
+    shapes_path, *paths = args
     lens = {}
     with open(shapes_path) as f:
         for line in f:
             d = json.loads(line)
             lens[d["shape"]] = d["lens"]
     for path in paths:
-        rs = ratios(path, lens)
+        rs = ratios(path, lens, graph, vs)
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:

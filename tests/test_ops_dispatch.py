@@ -30,7 +30,8 @@ def spec(heads=16, block=64, q=BF16, kv=BF16, max_q_len=1, dims=(512, 64)):
     return DecodeSpec(heads, dims[0], dims[1], block, q, kv, 0.1, max_q_len)
 
 
-ROUTE_MODULES = ("trtllm_gen", "flashinfer_mla", "flashmla", "flashmla_fp8", "triton_balanced")
+ROUTE_MODULES = ("trtllm_gen", "flashinfer_mla", "flashmla", "flashmla_fp8", "triton_balanced",
+                 "vllm_fa3_mla")
 
 
 @pytest.fixture
@@ -137,9 +138,9 @@ def test_engine_query_dtype_without_flashmla_fp8(flashinfer_present):
 
 def test_hopper_causal_tile_hazard_skips_fa(flashinfer_present):
     choice = choose_route(spec(heads=24, max_q_len=4), H200)
-    assert choice.name == "torch-reference"  # flashmla not importable here
+    assert choice.name == "torch-reference"  # flashmla and vLLM's FA3 not importable here
     assert [name for name, _ in choice.skipped] == ["flashinfer-fa3", "flashmla",
-                                                    "flashinfer-fa2"]
+                                                    "vllm-fa3-mla", "flashinfer-fa2"]
 
 
 def test_ampere_takes_fa2_but_not_fp8(flashinfer_present):

@@ -32,7 +32,8 @@ def spec(heads=16, block=64, kv=BF16, q_len=1):
 
 @pytest.fixture
 def kernels_present(monkeypatch):
-    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla", "flashmla_fp8", "triton_balanced"):
+    for mod in ("trtllm_gen", "flashinfer_mla", "flashmla", "flashmla_fp8", "triton_balanced",
+                "vllm_fa3_mla"):
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: True)
 
@@ -69,8 +70,11 @@ CASES = [
     (128, shape(256, 4 * K, 2 * K), "flashmla"),
     (128, shape(64, 32 * K), "flashmla"),
     (128, BatchShape(32, 1), "flashmla"),  # lengths unknown (CUDA graphs): FlashMLA
-    (16, BatchShape(1, 1), "flashmla"),
     (16, BatchShape(64, 1), "flashmla"),
+    (16, BatchShape(17, 1), "flashmla"),
+    (16, BatchShape(1, 1), "vllm-fa3-mla"),  # ... but vLLM's FA3 for small one-token batches
+    (128, BatchShape(16, 1), "vllm-fa3-mla"),
+    (16, BatchShape(8, 3), "flashmla"),  # several query tokens: FlashMLA
 ]
 
 
@@ -206,7 +210,7 @@ def batch(lens, kv_tokens=True):
 
 def test_decoder_follows_policy_per_batch(kernels_present, monkeypatch):
     dec, stubs = stub_decoder(monkeypatch, heads=128)
-    assert dec.route_name == "flashinfer-fa3+flashmla"
+    assert dec.route_name == "flashinfer-fa3+flashmla+vllm-fa3-mla"
     assert "per batch" in dec.choice.kernel
     dec.plan(batch([8 * K] * 128))
     assert dec.route.name == "flashinfer-fa3" and stubs["flashinfer-fa3"].plans == [(128, False)]
@@ -239,16 +243,19 @@ def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):
     assert stubs["flashinfer-fa3"].plans == [(128, True), (32, False)]
 
 
-def test_cuda_graph_decoder_takes_flashmla_for_every_batch(kernels_present, monkeypatch):
-    """Under CUDA graphs FlashMLA serves every batch, whatever its size and lengths:
-    FlashInfer FA3's per-step plan is 1-2 ms of host Python (run 17), FlashMLA's a kernel
-    launch. FA3 stays behind it for specs FlashMLA cannot serve."""
+def test_cuda_graph_decoder_picks_by_batch_size_only(kernels_present, monkeypatch):
+    """Under CUDA graphs FlashMLA serves every batch of more than VLLM_FA3_GRAPH_MAX_BATCH
+    requests and vLLM's FA3 MLA kernel the smaller ones, whatever the lengths: FlashInfer
+    FA3's per-step plan is 1-2 ms of host Python (run 17), the others' a kernel launch. FA3
+    stays behind them for specs they cannot serve."""
     dec, stubs = stub_decoder(monkeypatch, heads=128, cuda_graph=True)
     for lens in ([8 * K] * 128, [8 * K, 2 * K] * 64, [32 * K] * 128, [1] * 128, [8 * K] * 32,
-                 [8 * K, 2 * K] * 16, [32 * K] * 63, [1] * 1):
+                 [8 * K, 2 * K] * 16, [32 * K] * 63, [1] * 1, [8 * K] * 17, [32 * K] * 16):
         dec.plan(batch(lens))
-        assert dec.route.name == "flashmla", len(lens)
-    assert [b for b, _ in stubs["flashmla"].plans] == [128, 128, 128, 128, 32, 32, 63, 1]
+        small = len(lens) <= policy.VLLM_FA3_GRAPH_MAX_BATCH
+        assert dec.route.name == ("vllm-fa3-mla" if small else "flashmla"), len(lens)
+    assert [b for b, _ in stubs["flashmla"].plans] == [128, 128, 128, 128, 32, 32, 63, 17]
+    assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [1, 16]
     assert stubs["flashinfer-fa3"].plans == []
 
 

@@ -28,7 +28,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "triton-balanced", "flashinfer-fa2",
+ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "vllm-fa3-mla", "triton-balanced",
+          "flashinfer-fa2",
           "trtllm-gen", "flashinfer-cute-dsl"]
 FP8 = torch.float8_e4m3fn
 #: The KV (and query) dtype each route is captured with: FP8-only routes read FP8.

@@ -26,7 +26,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "triton-balanced", "flashinfer-fa2",
+ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "vllm-fa3-mla", "triton-balanced",
+          "flashinfer-fa2",
           "trtllm-gen", "flashinfer-cute-dsl"]
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -102,7 +103,7 @@ def test_second_step_replans() -> None:
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
-@pytest.mark.parametrize("route", ["flashinfer-fa3", "flashinfer-fa2"])
+@pytest.mark.parametrize("route", ["flashinfer-fa3", "flashinfer-fa2", "vllm-fa3-mla"])
 def test_host_lengths_plan_without_device_sync(route: str, cuda_graph: bool) -> None:
     """With exact host lengths FlashInfer's planner must not wait for the GPU (torch's sync
     debug mode raises on any synchronising call), also with the length sort on."""

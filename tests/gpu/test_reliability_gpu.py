@@ -36,7 +36,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ALL_ROUTES = ["flashinfer-fa3", "flashinfer-fa2", "flashmla", "flashmla-fp8", "triton-balanced",
+ALL_ROUTES = ["flashinfer-fa3", "flashinfer-fa2", "flashmla", "flashmla-fp8", "vllm-fa3-mla",
+              "triton-balanced",
               "trtllm-gen", "flashinfer-cute-dsl"]
 #: Routes that serve FP8 caches only: their graph tests run FP8 (query and cache, as vLLM
 #: hands them over) where the others run bf16.
@@ -166,7 +167,7 @@ def _sweep_seeds() -> list[int]:
 
 
 @pytest.mark.parametrize("route", ["flashinfer-fa3", "flashinfer-fa2", "flashmla",
-                                   "flashmla-fp8", "triton-balanced"])
+                                   "flashmla-fp8", "vllm-fa3-mla", "triton-balanced"])
 def test_randomized_sweep(route: str) -> None:
     device = torch.device("cuda")
     _skip_unless_eligible(route, _spec(kv_dtype=FP8 if route in FP8_ONLY else BF16))

@@ -20,15 +20,18 @@ from .spec import DecodeSpec
 REFERENCE = "torch-reference"
 FA3, FLASHMLA, FA2 = "flashinfer-fa3", "flashmla", "flashinfer-fa2"
 FLASHMLA_FP8 = "flashmla-fp8"
+VLLM_FA3 = "vllm-fa3-mla"
 TRITON = "triton-balanced"
 
 # SM100/SM103: TRTLLM-gen is the kernel the plugin exists for; FlashInfer's CuTe DSL MLA
 # kernel takes head counts TRTLLM-gen cannot tile.
 BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 # SM90: FlashInfer FA3 (with length-sorted requests) by default; FlashMLA first for the
-# batches of ``hopper_prefers_flashmla`` (every batch under CUDA graphs).
-HOPPER = (FA3, FLASHMLA, FA2, REFERENCE)
-HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, FA2, REFERENCE)
+# batches of ``hopper_prefers_flashmla`` (under CUDA graphs: every batch but those of
+# ``hopper_prefers_vllm_fa3``, which go to vLLM's FA3 MLA kernel).
+HOPPER = (FA3, FLASHMLA, VLLM_FA3, FA2, REFERENCE)
+HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, VLLM_FA3, FA2, REFERENCE)
+HOPPER_VLLM_FA3_FIRST = (VLLM_FA3, FLASHMLA, FA3, FA2, REFERENCE)
 # SM90, FP8 cache: FlashMLA's dense FP8 kernel (FP8 query) first for every batch. Behind it,
 # for installs without that kernel, the bf16-query routes: FlashInfer FA3 reads FP8 at 9-15%
 # of the copy ceiling; the plugin's page-balanced Triton kernel is 1.3-2x faster than FA3
@@ -67,6 +70,14 @@ FLASHMLA_MIN_WORK = 200_000
 # back from a busy GPU. In the engine (runs 13-15, h16 bf16, CUDA graphs) TRTLLM_MLA on FA3
 # was slower than vLLM's FLASHMLA at b128/b256 and in 3 of 4 samples at b32; FA3's kernel
 # lead over FlashMLA is a few us per layer where it has one.
+#: Under CUDA graphs, one-token batches up to this size go to vLLM's FA3 MLA kernel (the
+#: kernel of vLLM's default SM90 backend, FLASH_ATTN_MLA): without lengths, small batches
+#: are where FlashMLA's fixed cost shows. Run 23 (80 random bf16 shapes): fitted on seeds
+#: 1-2, where FlashMLA alone scored geomean 0.92 of vLLM's kernel and this rule 1.01;
+#: checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first from b32 (engine run 24, h16,
+#: 1k-8k prompts: FLASHMLA 3.25 ms per step, FLASH_ATTN_MLA 3.58) and for several query
+#: tokens (the route's uniform multi-token path is tested on the CPU only).
+VLLM_FA3_GRAPH_MAX_BATCH = 16
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -141,6 +152,14 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
+def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+    """The SM90 CUDA-graph rule for small batches: vLLM's FA3 MLA kernel ahead of FlashMLA
+    for one-token batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests."""
+    del spec
+    return (shape is not None and shape.max_seq_len is None and shape.max_q_len == 1
+            and shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH)
+
+
 def triton_fp8_candidate(spec: DecodeSpec) -> bool:
     """Whether the SM90 FP8 rule can pick the Triton kernel for some batch of ``spec``."""
     return (spec.fp8_kv and spec.num_heads <= TRITON_FP8_MAX_HEADS
@@ -184,6 +203,8 @@ def rank(
     if major == 9:
         if spec.fp8_kv:
             return HOPPER_FP8_FEW_HEADS if hopper_prefers_triton(spec, shape) else HOPPER_FP8
+        if hopper_prefers_vllm_fa3(spec, shape):
+            return HOPPER_VLLM_FA3_FIRST
         return HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
     if platform.capability >= (8, 0):
         return AMPERE_ADA
@@ -197,5 +218,5 @@ def rankings(spec: DecodeSpec, platform: Platform) -> tuple[tuple[str, ...], ...
         if spec.fp8_kv:
             few_heads = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()
             return (HOPPER_FP8, *few_heads)
-        return (HOPPER, HOPPER_FLASHMLA_FIRST)
+        return (HOPPER, HOPPER_FLASHMLA_FIRST, HOPPER_VLLM_FA3_FIRST)
     return (rank(spec, platform),)

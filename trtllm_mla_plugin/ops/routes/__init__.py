@@ -9,6 +9,7 @@ from .flashmla_fp8 import FlashMLAFP8Route
 from .torch_reference import TorchReferenceRoute
 from .triton_balanced import TritonBalancedRoute
 from .trtllm_gen import CuteDslRoute, TrtllmGenRoute
+from .vllm_fa3_mla import VllmFA3MLARoute
 
 ROUTES: dict[str, type[DecodeRoute]] = {
     route.name: route
@@ -18,6 +19,7 @@ ROUTES: dict[str, type[DecodeRoute]] = {
         FlashMLAFP8Route,
         FlashInferFA3Route,
         FlashMLARoute,
+        VllmFA3MLARoute,
         TritonBalancedRoute,
         FlashInferFA2Route,
         TorchReferenceRoute,

@@ -178,7 +178,9 @@ class FlashMLARoute(DecodeRoute):
             head_dim_v=spec.kv_lora_rank,
             tile_scheduler_metadata=self._schedule(),
             softmax_scale=spec.softmax_scale,
-            causal=True,
+            # The same math for one query token per request; vLLM passes True, and the mask
+            # costs FlashMLA time at q_len 1 (docs/benchmarks.md, run 19).
+            causal=m > 1,
             is_fp8_kvcache=False,
             out=out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,
         )

@@ -1,0 +1,183 @@
+"""The ``vllm-fa3-mla`` route's calls, checked on CPU against the parameter names of vLLM's
+own ``vllm_flash_attn`` interface (read from the installed vllm's source, not imported: the
+CPU build cannot load FA3) and against what vLLM's FLASH_ATTN_MLA backend passes. The
+kernel itself runs in tests/gpu."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, Platform
+from trtllm_mla_plugin.ops.routes import vllm_fa3_mla
+from trtllm_mla_plugin.ops.routes.base import round_up
+from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import (
+    FA3_MODULE,
+    GRAPH_MAX_SPLITS,
+    VllmFA3MLARoute,
+    fa3_scheduler_metadata_size,
+)
+from trtllm_mla_plugin.ops.spec import UNIT_SCALES, KVScales
+
+H200 = Platform("cuda", (9, 0), "NVIDIA H200")
+B200 = Platform("cuda", (10, 0), "NVIDIA B200")
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+SCALE = 1.0 / 192**0.5
+
+
+def spec(heads=16, block=64, q=BF16, kv=BF16, dims=(512, 64), max_q_len=1) -> DecodeSpec:
+    return DecodeSpec(heads, dims[0], dims[1], block, q, kv, SCALE, max_q_len)
+
+
+def interface_params() -> dict[str, list[str]]:
+    """Parameter names of the public functions in vllm's flash_attn_interface.py."""
+    found = importlib.util.find_spec("vllm")
+    if found is None or found.origin is None:
+        pytest.skip("vllm is not installed")
+    path = Path(found.origin).parent / "vllm_flash_attn" / "flash_attn_interface.py"
+    if not path.exists():
+        pytest.skip(f"{path} is not in this vllm build")
+    tree = ast.parse(path.read_text())
+    params = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            a = node.args
+            params[node.name] = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    return params
+
+
+class FakeFA3(types.ModuleType):
+    """Records the route's calls; the scheduler returns ``metadata_len`` ones."""
+
+    def __init__(self, metadata_len: int = 9) -> None:
+        super().__init__(FA3_MODULE)
+        self.metadata_len = metadata_len
+        self.schedules: list[dict] = []
+        self.calls: list[dict] = []
+
+    def get_scheduler_metadata(self, **kwargs):
+        self.schedules.append(kwargs)
+        return torch.ones(self.metadata_len, dtype=torch.int32)
+
+    def flash_attn_varlen_func(self, **kwargs):
+        self.calls.append(kwargs)
+        return kwargs["out"]
+
+
+@pytest.fixture
+def fake(monkeypatch) -> FakeFA3:
+    module = FakeFA3()
+    monkeypatch.setitem(sys.modules, FA3_MODULE, module)
+    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
+    return module
+
+
+def test_eligibility_names_the_fix(monkeypatch):
+    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
+    assert VllmFA3MLARoute.unsupported_reason(spec(), H200) is None
+    assert VllmFA3MLARoute.unsupported_reason(spec(block=32, max_q_len=4), H200) is None
+    assert "SM90 only" in VllmFA3MLARoute.unsupported_reason(spec(), B200)
+    assert "flashmla-fp8" in VllmFA3MLARoute.unsupported_reason(spec(kv=FP8), H200)
+    assert "512 and rope_dim 64" in VllmFA3MLARoute.unsupported_reason(
+        spec(dims=(256, 64)), H200)
+    assert "--block-size 64" in VllmFA3MLARoute.unsupported_reason(spec(block=8), H200)
+    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: False)
+    assert "CUDA build of vllm" in VllmFA3MLARoute.unsupported_reason(spec(), H200)
+
+
+def batch_of(lens, q_lens=None, width=8, uniform_q: int = 1) -> DecodeBatch:
+    """``q_lens`` given: ragged query rows with offsets; else ``uniform_q`` rows per request
+    and no offsets (``DecodeBatch``'s uniform form)."""
+    cu = None
+    if q_lens is not None:
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return DecodeBatch(
+        block_table=torch.arange(len(lens) * width, dtype=torch.int32).view(len(lens), width),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        max_seq_len=max(lens),
+        cu_seqlens_q=cu,
+        max_q_len=max(q_lens) if q_lens else uniform_q,
+        num_tokens=sum(q_lens) if q_lens else None,
+    )
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_calls_match_vllm_interface_and_backend(fake, cuda_graph):
+    params = interface_params()
+    s = spec(heads=16, max_q_len=3)
+    route = VllmFA3MLARoute(s, torch.device("cpu"), max_batch_size=6, cuda_graph=cuda_graph)
+    cache = torch.randn(48, 64, 576).to(BF16)
+    for lens, q_lens, uniform_q in (([300, 5, 64], [1, 3, 2], 1), ([7, 900], None, 1),
+                                    ([40, 50, 9], None, 3), ([8, 60], None, 1)):
+        b = batch_of(lens, q_lens, uniform_q=uniform_q)
+        route.plan(b)
+        tokens = b.num_tokens
+        query = torch.randn(tokens, 16, 576).to(BF16)
+        out = torch.empty(tokens, 16, 512, dtype=BF16)
+        assert route.run(query, cache, out, UNIT_SCALES) is out
+
+        sched, call = fake.schedules[-1], fake.calls[-1]
+        assert set(sched) <= set(params["get_scheduler_metadata"])
+        assert set(call) <= set(params["flash_attn_varlen_func"])
+        splits = GRAPH_MAX_SPLITS if cuda_graph else 0
+        expect_cu = torch.tensor([0, *torch.tensor(q_lens or [uniform_q] * len(lens)).cumsum(0)])
+        # What vLLM's FlashAttnMLAMetadataBuilder._schedule_decode passes.
+        assert sched["batch_size"] == len(lens) and sched["max_seqlen_q"] == b.max_q_len
+        assert sched["max_seqlen_k"] == max(lens) and sched["num_heads_q"] == 16
+        assert (sched["num_heads_kv"], sched["headdim"], sched["headdim_v"]) == (1, 64, 512)
+        assert sched["page_size"] == 64 and sched["causal"] is True
+        assert sched["qkv_dtype"] == BF16 and sched["num_splits"] == splits
+        assert torch.equal(sched["cu_seqlens_q"].long(), expect_cu)
+        assert torch.equal(sched["cache_seqlens"], b.seq_lens)
+        # What FlashAttnMLAImpl.forward_mqa passes.
+        assert torch.equal(call["q"], query[..., 512:])
+        assert torch.equal(call["q_v"], query[..., :512])
+        assert torch.equal(call["k"], cache.unsqueeze(-2)[..., 512:])
+        assert torch.equal(call["v"], cache.unsqueeze(-2)[..., :512])
+        assert call["k"].shape == (48, 64, 1, 64) and call["v"].shape == (48, 64, 1, 512)
+        assert torch.equal(call["cu_seqlens_q"].long(), expect_cu)
+        assert torch.equal(call["seqused_k"], b.seq_lens)
+        assert torch.equal(call["block_table"], b.block_table)
+        assert call["max_seqlen_q"] == b.max_q_len and call["max_seqlen_k"] == max(lens)
+        assert call["causal"] is True and call["fa_version"] == 3
+        assert call["softmax_scale"] == SCALE and call["num_splits"] == splits
+        assert call["out"] is out
+        meta = call["scheduler_metadata"]
+        assert meta.shape == (fake.metadata_len,) and bool((meta == 1).all())
+        # The persistent buffer's tail is zeroed (stale entries would misdirect thread blocks).
+        assert bool((route._scheduler[fake.metadata_len:] == 0).all())
+        assert route._scheduler.numel() == 1 + round_up(6, 4) * 4
+
+
+def test_graph_buffers_keep_their_addresses(fake):
+    route = VllmFA3MLARoute(spec(max_q_len=2), torch.device("cpu"), 4, cuda_graph=True)
+    cache = torch.randn(40, 64, 576).to(BF16)
+    seen = set()
+    for lens in ([10, 20], [700, 3], [64, 64]):
+        route.plan(batch_of(lens, [2, 2]))
+        route.run(torch.randn(4, 16, 576).to(BF16), cache,
+                  torch.empty(4, 16, 512, dtype=BF16), UNIT_SCALES)
+        call = fake.calls[-1]
+        seen.add(tuple(t.data_ptr() for t in (
+            call["cu_seqlens_q"], call["seqused_k"], call["block_table"],
+            call["scheduler_metadata"])))
+    assert len(seen) == 1
+
+
+def test_scheduler_buffer_matches_vllm_bound():
+    assert fa3_scheduler_metadata_size(1) == 1 + 4 * 4
+    assert fa3_scheduler_metadata_size(256) == 1 + 256 * 4
+
+
+def test_fp8_scales_are_refused(fake):
+    route = VllmFA3MLARoute(spec(), torch.device("cpu"), 2)
+    route.plan(batch_of([5, 6]))
+    with pytest.raises(ValueError, match="FP8 caches only"):
+        route.run(torch.randn(2, 16, 576).to(BF16), torch.randn(4, 64, 576).to(BF16),
+                  torch.empty(2, 16, 512, dtype=BF16), KVScales(k_scale=0.5))

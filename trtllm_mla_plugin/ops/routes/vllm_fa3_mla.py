@@ -1,0 +1,165 @@
+"""Hopper route through vLLM's own FlashAttention-3 MLA decode (``vllm.vllm_flash_attn``,
+the ``_vllm_fa3_C`` extension in the CUDA build of vllm): the kernel of vLLM's
+``FLASH_ATTN_MLA`` backend, which vLLM 0.33 selects first for MLA on SM90 with a bf16 cache.
+
+Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
+``vllm_flash_attn/flash_attn_interface.py``):
+
+* ``flash_attn_varlen_func(q=q_pe, k=k_pe_cache, v=kv_c_cache, q_v=q_nope, ...)``: the rope
+  part of query ``[tokens, heads, Dr]`` and of the cache ``[blocks, page, 1, Dr]`` form the
+  scores' "K" product, the latent part (query ``[tokens, heads, Dc]``, cache
+  ``[blocks, page, 1, Dc]``) both the ``q_v`` term of the scores and the values; output
+  ``[tokens, heads, Dc]`` in the query's dtype. The cache halves are strided views of the one
+  ``[blocks, page, Dc + Dr]`` latent cache.
+* pages: any multiple of 16 tokens; bf16/fp16 only (vLLM: "FP8 FlashAttention MLA not yet
+  supported").
+* ``causal=True`` masks bottom-right aligned per request (``cu_seqlens_q`` gives each
+  request's query rows), as ``ops.reference`` does.
+* scheduling: ``get_scheduler_metadata`` (a device op on the step's lengths) in ``plan``,
+  copied into a persistent buffer whose tail is zeroed (vLLM: stale entries would let spare
+  thread blocks overwrite output). Under CUDA graphs the number of KV splits is capped at
+  ``GRAPH_MAX_SPLITS`` (vLLM's ``flash_attn_max_num_splits_for_cuda_graph``) so the captured
+  launch reserves its split buffers once; eager steps let the kernel choose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..platform import Platform
+from ..spec import DecodeBatch, DecodeSpec, KVScales
+from .base import DecodeRoute, StagedTables, module_available, round_up
+
+FA3_MODULE = "vllm.vllm_flash_attn.flash_attn_interface"
+#: (kv_lora_rank, rope_dim) of the MLA instance compiled into vLLM's FA3 (headdim 64,
+#: headdim_v 512).
+FA3_MLA_DIMS = (512, 64)
+#: vLLM's ``AttentionConfig.flash_attn_max_num_splits_for_cuda_graph`` default.
+GRAPH_MAX_SPLITS = 32
+FA3_PAGE_MULTIPLE = 16
+
+
+def fa3_scheduler_metadata_size(max_batch_size: int) -> int:
+    """Entries of FA3's scheduler metadata for up to ``max_batch_size`` requests: one
+    tile-count semaphore plus four int32 vectors per request rounded up to 4 (vLLM)."""
+    return 1 + round_up(max_batch_size, 4) * 4
+
+
+class VllmFA3MLARoute(DecodeRoute):
+    name = "vllm-fa3-mla"
+    kernel = "FlashAttention-3 MLA (vLLM bundle) flash_attn_varlen_func"
+
+    @classmethod
+    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
+        if platform.capability is None or platform.capability[0] != 9:
+            return f"vLLM's FA3 MLA decode runs on SM90 only; this is {platform.describe()}"
+        if not module_available(FA3_MODULE):
+            return ("vllm.vllm_flash_attn is not importable (FA3 ships inside the CUDA build "
+                    "of vllm)")
+        if spec.q_dtype not in (torch.bfloat16, torch.float16) or spec.kv_dtype != spec.q_dtype:
+            return (
+                "vLLM's FA3 MLA takes bfloat16/float16 query and cache of the same dtype, got "
+                f"{spec.q_dtype} / {spec.kv_dtype}; FP8 caches go to flashmla-fp8"
+            )
+        if (spec.kv_lora_rank, spec.rope_dim) != FA3_MLA_DIMS:
+            return (
+                "vLLM's FA3 MLA is compiled for kv_lora_rank 512 and rope_dim 64, got "
+                f"{spec.kv_lora_rank}/{spec.rope_dim}"
+            )
+        if spec.block_size % FA3_PAGE_MULTIPLE:
+            return (
+                f"block size {spec.block_size}: vLLM's FA3 MLA needs pages of a multiple of "
+                f"{FA3_PAGE_MULTIPLE} tokens; start vLLM with --block-size 64"
+            )
+        return None
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        device: torch.device,
+        max_batch_size: int,
+        cuda_graph: bool = False,
+    ) -> None:
+        super().__init__(spec, device, max_batch_size, cuda_graph)
+        import importlib
+
+        self._fa = importlib.import_module(FA3_MODULE)
+        self._tables = StagedTables(max_batch_size, device)
+        self._max_splits = GRAPH_MAX_SPLITS if cuda_graph else 0
+        #: ``[max_batch + 1]`` int32 query offsets: ``_cu_single`` for one-token batches (an
+        #: arange, never written), ``_cu_varlen`` for multi-token batches (copied, or the
+        #: arange times ``max_q_len`` for uniform ones). Why persistent: captured launches
+        #: read these addresses.
+        self._cu_single = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        self._cu_varlen = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
+        #: FA3's scheduler metadata at a fixed address (captured launches read it).
+        self._scheduler = torch.zeros(fa3_scheduler_metadata_size(max_batch_size),
+                                      dtype=torch.int32, device=device)
+        self._batch: DecodeBatch | None = None
+
+    def plan(self, batch: DecodeBatch) -> None:
+        b, spec = batch.batch_size, self.spec
+        self._block_table, self._seq_lens = self._tables.stage(batch)
+        if batch.cu_seqlens_q is None and batch.max_q_len == 1:
+            cu = self._cu_single[: b + 1]
+        elif batch.cu_seqlens_q is None:  # every request has max_q_len query rows
+            cu = torch.mul(self._cu_single[: b + 1], batch.max_q_len,
+                           out=self._cu_varlen[: b + 1])
+        else:
+            cu = self._cu_varlen[: b + 1]
+            cu.copy_(batch.cu_seqlens_q, non_blocking=True)
+        self._cu = cu
+        metadata = self._fa.get_scheduler_metadata(
+            batch_size=b,
+            max_seqlen_q=batch.max_q_len,
+            max_seqlen_k=batch.max_seq_len,
+            num_heads_q=spec.num_heads,
+            num_heads_kv=1,
+            headdim=spec.rope_dim,
+            cache_seqlens=self._seq_lens,
+            qkv_dtype=spec.kv_dtype,
+            headdim_v=spec.kv_lora_rank,
+            cu_seqlens_q=cu,
+            page_size=spec.block_size,
+            causal=True,
+            num_splits=self._max_splits,
+        )
+        n = metadata.shape[0]
+        self._scheduler[:n].copy_(metadata)
+        self._scheduler[n:].zero_()
+        self._metadata = self._scheduler[:n]
+        self._batch = batch
+
+    def run(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        scales: KVScales,
+    ) -> torch.Tensor:
+        if not scales.is_unit:
+            raise ValueError(
+                "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
+                f"{self.spec.kv_dtype} cache"
+            )
+        batch, spec = self._batch, self.spec
+        dc = spec.kv_lora_rank
+        cache = kv_cache.unsqueeze(-2)
+        self._fa.flash_attn_varlen_func(
+            q=query[..., dc:],
+            k=cache[..., dc:],
+            v=cache[..., :dc],
+            q_v=query[..., :dc],
+            max_seqlen_q=batch.max_q_len,
+            cu_seqlens_q=self._cu,
+            max_seqlen_k=batch.max_seq_len,
+            seqused_k=self._seq_lens,
+            block_table=self._block_table,
+            softmax_scale=spec.softmax_scale,
+            causal=True,
+            out=out,
+            fa_version=3,
+            scheduler_metadata=self._metadata,
+            num_splits=self._max_splits,
+        )
+        return out

@@ -60,6 +60,35 @@ def _active_ctas(total_pages, num_ctas, min_pages):
     return tl.maximum(tl.minimum(num_ctas, (total_pages + min_pages - 1) // min_pages), 1)
 
 
+@triton.jit
+def _cta_pages(page_start_ptr, batch_size, num_ctas, min_pages, cta,
+               SEARCH_STEPS: tl.constexpr):
+    """This CTA's share of the batch's pages, ``[p_begin, p_end)``, and the request the
+    share starts in."""
+    total_pages = tl.load(page_start_ptr + batch_size).to(tl.int64)
+    ctas = _active_ctas(total_pages, num_ctas, min_pages)
+    p_begin = tl.minimum((cta * total_pages) // ctas, total_pages)
+    p_end = tl.minimum(((cta + 1) * total_pages) // ctas, total_pages)
+    req = _find_segment(page_start_ptr, p_begin, batch_size, SEARCH_STEPS)
+    return p_begin, p_end, req
+
+
+@triton.jit
+def _segment(page_start_ptr, seq_lens_ptr, cu_q_ptr, req, p, p_end, PAGE: tl.constexpr):
+    """Request ``req``'s part of a CTA's pages from page ``p``: its page bounds, the end of
+    the part (``seg_p1``), its query rows (``q0``, ``q_len``) and the part's KV tokens
+    ``[tok_lo, tok_hi)``."""
+    req_p0 = tl.load(page_start_ptr + req).to(tl.int64)
+    req_p1 = tl.load(page_start_ptr + req + 1).to(tl.int64)
+    seg_p1 = tl.minimum(req_p1, p_end)
+    seq_len = tl.load(seq_lens_ptr + req)
+    q0 = tl.load(cu_q_ptr + req)
+    q_len = tl.load(cu_q_ptr + req + 1) - q0
+    tok_lo = (p - req_p0) * PAGE
+    tok_hi = tl.minimum((seg_p1 - req_p0) * PAGE, seq_len)
+    return req_p0, req_p1, seg_p1, seq_len, q0, q_len, tok_lo, tok_hi
+
+
 @triton.jit(do_not_specialize=["batch_size", "num_heads", "num_ctas", "min_pages"])
 def _balanced_decode_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, cu_q_ptr, page_start_ptr,
@@ -83,21 +112,12 @@ def _balanced_decode_kernel(
     offs_r = tl.arange(0, DR)
     offs_n = tl.arange(0, BLOCK_N)
 
-    total_pages = tl.load(page_start_ptr + batch_size).to(tl.int64)
-    ctas = _active_ctas(total_pages, num_ctas, min_pages)
-    p_begin = tl.minimum((cta * total_pages) // ctas, total_pages)
-    p_end = tl.minimum(((cta + 1) * total_pages) // ctas, total_pages)
-    req = _find_segment(page_start_ptr, p_begin, batch_size, SEARCH_STEPS)
+    p_begin, p_end, req = _cta_pages(page_start_ptr, batch_size, num_ctas, min_pages, cta,
+                                     SEARCH_STEPS)
     p = p_begin
     while p < p_end:
-        req_p0 = tl.load(page_start_ptr + req).to(tl.int64)
-        req_p1 = tl.load(page_start_ptr + req + 1).to(tl.int64)
-        seg_p1 = tl.minimum(req_p1, p_end)
-        seq_len = tl.load(seq_lens_ptr + req)
-        q0 = tl.load(cu_q_ptr + req)
-        q_len = tl.load(cu_q_ptr + req + 1) - q0
-        tok_lo = (p - req_p0) * PAGE
-        tok_hi = tl.minimum((seg_p1 - req_p0) * PAGE, seq_len)
+        req_p0, req_p1, seg_p1, seq_len, q0, q_len, tok_lo, tok_hi = _segment(
+            page_start_ptr, seq_lens_ptr, cu_q_ptr, req, p, p_end, PAGE)
 
         row_ok = (row_t < q_len) & (row_h < num_heads)
         q_rows = (q0 + row_t).to(tl.int64) * stride_q_row + row_h * stride_q_head

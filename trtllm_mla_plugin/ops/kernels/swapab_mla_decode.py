@@ -39,10 +39,10 @@ import triton.language as tl
 
 from .balanced_mla_decode import (
     LOG2E,
-    _active_ctas,
-    _find_segment,
+    _cta_pages,
     _merge_partials_kernel,
     _partial_row,
+    _segment,
 )
 
 #: Columns (heads x padded query tokens) per CTA at most. At 64 the [Dc, 64] fp32
@@ -79,21 +79,12 @@ def _swapab_decode_kernel(
     offs_r = tl.arange(0, DR)
     offs_n = tl.arange(0, BLOCK_N)
 
-    total_pages = tl.load(page_start_ptr + batch_size).to(tl.int64)
-    ctas = _active_ctas(total_pages, num_ctas, min_pages)
-    p_begin = tl.minimum((cta * total_pages) // ctas, total_pages)
-    p_end = tl.minimum(((cta + 1) * total_pages) // ctas, total_pages)
-    req = _find_segment(page_start_ptr, p_begin, batch_size, SEARCH_STEPS)
+    p_begin, p_end, req = _cta_pages(page_start_ptr, batch_size, num_ctas, min_pages, cta,
+                                     SEARCH_STEPS)
     p = p_begin
     while p < p_end:
-        req_p0 = tl.load(page_start_ptr + req).to(tl.int64)
-        req_p1 = tl.load(page_start_ptr + req + 1).to(tl.int64)
-        seg_p1 = tl.minimum(req_p1, p_end)
-        seq_len = tl.load(seq_lens_ptr + req)
-        q0 = tl.load(cu_q_ptr + req)
-        q_len = tl.load(cu_q_ptr + req + 1) - q0
-        tok_lo = (p - req_p0) * PAGE
-        tok_hi = tl.minimum((seg_p1 - req_p0) * PAGE, seq_len)
+        req_p0, req_p1, seg_p1, seq_len, q0, q_len, tok_lo, tok_hi = _segment(
+            page_start_ptr, seq_lens_ptr, cu_q_ptr, req, p, p_end, PAGE)
 
         col_ok = (col_t < q_len) & (col_h < num_heads)
         q_cols = (q0 + col_t).to(tl.int64) * stride_q_row + col_h * stride_q_head

@@ -31,6 +31,14 @@ def saturate_to_fp8(query: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     return q8
 
 
+def check_unit_scales(spec: DecodeSpec, scales: KVScales) -> None:
+    """Raise unless ``scales`` are all 1 or the cache is FP8 (scales describe FP8 values)."""
+    if not spec.fp8_kv and not scales.is_unit:
+        raise ValueError(
+            f"KV scales apply to FP8 caches only; pass UNIT_SCALES with a {spec.kv_dtype} cache"
+        )
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

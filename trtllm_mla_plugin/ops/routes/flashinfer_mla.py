@@ -38,7 +38,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, module_available
+from .base import DecodeRoute, check_unit_scales, module_available
 from .trtllm_gen import workspace_for
 
 _FP8_DIMS = ((512, 64), (512, 0))
@@ -303,11 +303,7 @@ class _FlashInferFARoute(DecodeRoute):
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
     ) -> torch.Tensor:
         if not self.spec.fp8_kv:
-            if not scales.is_unit:
-                raise ValueError(
-                    "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
-                    f"{self.spec.kv_dtype} cache"
-                )
+            check_unit_scales(self.spec, scales)
             self._wrapper.run(query=query, kv_cache=kv_cache, out=out)
             return out
         # FlashInfer dequantises the latent cache with one ckv_scale for both q.k and p.v;

@@ -21,7 +21,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, StagedTables, module_available
+from .base import DecodeRoute, StagedTables, check_unit_scales, module_available
 
 FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
 #: FlashMLA's page size and the (kv_lora_rank, rope_dim) its kernels are compiled for.
@@ -158,11 +158,7 @@ class FlashMLARoute(DecodeRoute):
         out: torch.Tensor | None,
         scales: KVScales,
     ) -> torch.Tensor:
-        if not scales.is_unit:
-            raise ValueError(
-                "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
-                f"{self.spec.kv_dtype} cache"
-            )
+        check_unit_scales(self.spec, scales)
         batch, spec = self._batch, self.spec
         b, m = batch.batch_size, batch.max_q_len
         q = self._query.gather(query)

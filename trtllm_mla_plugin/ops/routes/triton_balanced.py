@@ -16,7 +16,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, StagedTables, module_available
+from .base import DecodeRoute, StagedTables, check_unit_scales, module_available
 
 MAX_Q_LEN = 16
 #: Rows (heads x query tokens) one CTA multiplies at once; bounds the fp32 accumulator
@@ -166,11 +166,7 @@ class TritonBalancedRoute(DecodeRoute):
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
     ) -> torch.Tensor:
         spec = self.spec
-        if not spec.fp8_kv and not scales.is_unit:
-            raise ValueError(
-                "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
-                f"{spec.kv_dtype} cache"
-            )
+        check_unit_scales(spec, scales)
         block_table, seq_lens, cu_q, page_start = self._tensors
         return self._kernels.balanced_mla_decode(
             query, kv_cache, block_table, seq_lens, cu_q, page_start, out,

@@ -28,7 +28,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, StagedTables, module_available, round_up
+from .base import DecodeRoute, StagedTables, check_unit_scales, module_available, round_up
 
 FA3_MODULE = "vllm.vllm_flash_attn.flash_attn_interface"
 #: (kv_lora_rank, rope_dim) of the MLA instance compiled into vLLM's FA3 (headdim 64,
@@ -137,11 +137,7 @@ class VllmFA3MLARoute(DecodeRoute):
         out: torch.Tensor,
         scales: KVScales,
     ) -> torch.Tensor:
-        if not scales.is_unit:
-            raise ValueError(
-                "KV scales apply to FP8 caches only; pass UNIT_SCALES with a "
-                f"{self.spec.kv_dtype} cache"
-            )
+        check_unit_scales(self.spec, scales)
         batch, spec = self._batch, self.spec
         dc = spec.kv_lora_rank
         cache = kv_cache.unsqueeze(-2)

@@ -72,7 +72,7 @@ FLASHMLA_MIN_WORK = 200_000
 # lead over FlashMLA is a few us per layer where it has one.
 #: Under CUDA graphs, one-token batches up to this size go to vLLM's FA3 MLA kernel (the
 #: kernel of vLLM's default SM90 backend, FLASH_ATTN_MLA): without lengths, small batches
-#: are where FlashMLA's fixed cost shows. Run 23 (80 random bf16 shapes): fitted on seeds
+#: are where FlashMLA's fixed cost shows. Run 23 (75 random bf16 shapes): fitted on seeds
 #: 1-2, where FlashMLA alone scored geomean 0.92 of vLLM's kernel and this rule 1.01;
 #: checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first from b32 (engine run 24, h16,
 #: 1k-8k prompts: FLASHMLA 3.25 ms per step, FLASH_ATTN_MLA 3.58) and for several query

@@ -74,7 +74,7 @@ FLASHMLA_MIN_WORK = 200_000
 #: kernel of vLLM's default SM90 backend, FLASH_ATTN_MLA): without lengths, small batches
 #: are where FlashMLA's fixed cost shows. Run 23 (75 random bf16 shapes): fitted on seeds
 #: 1-2, where FlashMLA alone scored geomean 0.92 of vLLM's kernel and this rule 1.01;
-#: checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first from b32 (engine run 24, h16,
+#: checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first above it (engine run 24, h16 b32,
 #: 1k-8k prompts: FLASHMLA 3.25 ms per step, FLASH_ATTN_MLA 3.58) and for several query
 #: tokens (the route's uniform multi-token path is tested on the CPU only).
 VLLM_FA3_GRAPH_MAX_BATCH = 16

@@ -23,8 +23,9 @@ from collections import defaultdict
 
 import torch
 
-from trtllm_mla_plugin.ops import DecodeSpec, policy
+from trtllm_mla_plugin.ops import DecodeSpec, Platform, policy
 
+H200 = Platform("cuda", (9, 0), "NVIDIA H200")
 #: Row names of the forced plugin routes the bf16 policy picks between.
 ROUTE_ROWS = {"fa3": "peer:flashinfer-fa3", "fa3-sorted": "fa3-sorted", "flashmla": "flashmla",
               "vllm-fa3-mla": "vllm-fa3-mla"}
@@ -35,19 +36,13 @@ def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
     heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
     if graph:
-        ranking = policy.rank(spec, policy_platform(), policy.BatchShape(b, q))
+        ranking = policy.rank(spec, H200, policy.BatchShape(b, q))
         return ROUTE_ROWS[next(n for n in ranking if n in ROUTE_ROWS)]
     shape = policy.BatchShape(b, q, max(lens), sum(lens))
     if r["block"] == "64" and policy.hopper_prefers_flashmla(spec, shape):
         return ROUTE_ROWS["flashmla"]
     sort = policy.fa_sort_by_length(spec, shape) and b > 1
     return ROUTE_ROWS["fa3-sorted" if sort else "fa3"]
-
-
-def policy_platform():
-    from trtllm_mla_plugin.ops import Platform
-
-    return Platform("cuda", (9, 0), "NVIDIA H200")
 
 
 def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,

@@ -264,7 +264,7 @@ def balanced_mla_decode(
             ``max_batch.bit_length() + 1`` (fixed per decoder: it is compiled in).
     """
     batch = seq_lens.shape[0]
-    num_tokens, heads, head_dim = query.shape
+    _, heads, head_dim = query.shape
     page = kv_cache.shape[1]
     head_tiles = triton.cdiv(heads, block_h)
     global last_compiled
@@ -281,15 +281,37 @@ def balanced_mla_decode(
         BLOCK_H=block_h, MAX_Q=max_q_len, SEARCH_STEPS=search_steps,
         num_warps=num_warps, num_stages=num_stages,
     )
+    merge_partials(out, part_out, part_lse, cu_seqlens_q, page_start, num_ctas=num_ctas,
+                   min_pages=min_pages, max_q_len=max_q_len, search_steps=search_steps,
+                   v_scale=v_scale)
+    return out
+
+
+def merge_partials(
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    page_start: torch.Tensor,
+    *,
+    num_ctas: int,
+    min_pages: int,
+    max_q_len: int,
+    search_steps: int,
+    v_scale: float = 1.0,
+) -> None:
+    """Combine the partial results of the requests cut between CTAs into ``out``
+    ``[num_tokens, heads, Dc]`` (the decode kernels wrote the uncut ones directly); the
+    other arguments as the decode launch that filled ``part_out`` / ``part_lse`` had them."""
+    num_tokens, heads, kv_lora_rank = out.shape
     merge_h = min(triton.next_power_of_2(heads), 16)
     merge_c = min(kv_lora_rank, 128)
     merge_grid = (triton.cdiv(heads, merge_h), num_tokens, kv_lora_rank // merge_c)
     _merge_partials_kernel[merge_grid](
         out, part_out, part_lse, cu_seqlens_q, page_start,
-        batch, heads, num_ctas, min_pages,
+        page_start.shape[0] - 1, heads, num_ctas, min_pages,
         out.stride(0), out.stride(1), v_scale,
         DC=kv_lora_rank, BLOCK_H=merge_h, BLOCK_C=merge_c, MAX_Q=max_q_len,
         SEARCH_STEPS=search_steps,
         num_warps=4,
     )
-    return out

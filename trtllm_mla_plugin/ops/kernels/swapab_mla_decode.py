@@ -37,13 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .balanced_mla_decode import (
-    LOG2E,
-    _cta_pages,
-    _merge_partials_kernel,
-    _partial_row,
-    _segment,
-)
+from .balanced_mla_decode import LOG2E, _cta_pages, _partial_row, _segment, merge_partials
 
 #: Columns (heads x padded query tokens) per CTA at most. At 64 the [Dc, 64] fp32
 #: accumulator (128 registers per thread at 8 warps) makes ptxas spill inside the KV loop
@@ -367,7 +361,7 @@ def swapab_mla_decode(
             raise ValueError("a 3-D query needs cu_seqlens_q")
         q3, out3 = q, out
         t = None
-    num_tokens, heads, head_dim = q3.shape
+    _, heads, head_dim = q3.shape
     batch, page = seq_lens.shape[0], kv_cache.shape[1]
     if kv_cache.dtype != q.dtype:
         raise ValueError(f"the swap-AB kernel reads a {q.dtype} cache, got {kv_cache.dtype}")
@@ -398,14 +392,7 @@ def swapab_mla_decode(
         BLOCK_H=cfg.block_h, MAX_Q=plan.max_q, SEARCH_STEPS=steps, USE_TMA=cfg.use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    merge_h = min(triton.next_power_of_2(heads), 16)
-    merge_c = min(kv_lora_rank, 128)
-    _merge_partials_kernel[(triton.cdiv(heads, merge_h), num_tokens, kv_lora_rank // merge_c)](
-        out3, plan.part_out, plan.part_lse, plan.cu_q, plan.page_start,
-        batch, heads, plan.num_ctas, min_pages,
-        out3.stride(0), out3.stride(1), 1.0,
-        DC=kv_lora_rank, BLOCK_H=merge_h, BLOCK_C=merge_c, MAX_Q=plan.max_q,
-        SEARCH_STEPS=steps,
-        num_warps=4,
-    )
+    merge_partials(out3, plan.part_out, plan.part_lse, plan.cu_q, plan.page_start,
+                   num_ctas=plan.num_ctas, min_pages=min_pages, max_q_len=plan.max_q,
+                   search_steps=steps)
     return out

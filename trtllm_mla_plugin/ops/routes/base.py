@@ -83,6 +83,29 @@ class StagedTables:
         return self.block_table[:b], self.seq_lens[:b]
 
 
+class StagedQueryOffsets:
+    """Persistent ``[max_batch + 1]`` int32 query-row offsets of a step's batch, for kernels
+    that take ``cu_seqlens_q`` even when every request has the same number of rows.
+
+    Why persistent: a captured CUDA graph reads the address it saw at capture. Uniform
+    batches (``DecodeBatch.cu_seqlens_q`` may then be ``None``) get ``arange * max_q_len``
+    computed on the device; ragged ones a copy of the caller's offsets.
+    """
+
+    def __init__(self, max_batch_size: int, device: torch.device) -> None:
+        self._arange = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        self._offsets = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
+
+    def stage(self, batch: DecodeBatch) -> torch.Tensor:
+        """Write ``batch``'s offsets in; returns the ``[batch + 1]`` view."""
+        cu = self._offsets[: batch.batch_size + 1]
+        if batch.uniform_q_len:
+            torch.mul(self._arange[: batch.batch_size + 1], batch.max_q_len, out=cu)
+        else:
+            cu.copy_(batch.cu_seqlens_q, non_blocking=True)
+        return cu
+
+
 class DecodeRoute(ABC):
     """One way of running absorbed-MLA paged decode."""
 

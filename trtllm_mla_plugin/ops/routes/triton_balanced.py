@@ -16,7 +16,13 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, StagedTables, check_unit_scales, module_available
+from .base import (
+    DecodeRoute,
+    StagedQueryOffsets,
+    StagedTables,
+    check_unit_scales,
+    module_available,
+)
 
 MAX_Q_LEN = 16
 #: Rows (heads x query tokens) one CTA multiplies at once; bounds the fp32 accumulator
@@ -111,10 +117,9 @@ class TritonBalancedRoute(DecodeRoute):
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         n = max_batch_size
         i32 = {"dtype": torch.int32, "device": device}
-        self._uniform_cu = torch.arange(n + 1, **i32)
-        #: [batch + 1] query-row offsets and KV-page prefix sums of the planned batch;
-        #: persistent so a captured launch reads each step's values.
-        self._cu_q = torch.zeros(n + 1, **i32)
+        self._cu_q = StagedQueryOffsets(n, device)
+        #: [batch + 1] KV-page prefix sums of the planned batch; persistent so a captured
+        #: launch reads each step's values.
         self._page_start = torch.zeros(n + 1, **i32)
         self._tables = StagedTables(n, device)
         #: Split-KV scratch: partial outputs and their LSEs (fp32), grown in ``plan``.
@@ -136,11 +141,7 @@ class TritonBalancedRoute(DecodeRoute):
         else:
             block_table = batch.block_table.to(torch.int32)
             seq_lens = batch.seq_lens.to(torch.int32)
-        cu_q, page_start = self._cu_q[: b + 1], self._page_start[: b + 1]
-        if batch.uniform_q_len:
-            torch.mul(self._uniform_cu[: b + 1], batch.max_q_len, out=cu_q)
-        else:
-            cu_q.copy_(batch.cu_seqlens_q, non_blocking=True)
+        cu_q, page_start = self._cu_q.stage(batch), self._page_start[: b + 1]
         pages = (seq_lens + (page - 1)) // page
         torch.cumsum(pages, 0, dtype=torch.int32, out=page_start[1:])
         num_ctas = self._num_ctas()

@@ -28,7 +28,14 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, StagedTables, check_unit_scales, module_available, round_up
+from .base import (
+    DecodeRoute,
+    StagedQueryOffsets,
+    StagedTables,
+    check_unit_scales,
+    module_available,
+    round_up,
+)
 
 FA3_MODULE = "vllm.vllm_flash_attn.flash_attn_interface"
 #: (kv_lora_rank, rope_dim) of the MLA instance compiled into vLLM's FA3 (headdim 64,
@@ -86,12 +93,7 @@ class VllmFA3MLARoute(DecodeRoute):
         self._fa = importlib.import_module(FA3_MODULE)
         self._tables = StagedTables(max_batch_size, device)
         self._max_splits = GRAPH_MAX_SPLITS if cuda_graph else 0
-        #: ``[max_batch + 1]`` int32 query offsets: ``_cu_single`` for one-token batches (an
-        #: arange, never written), ``_cu_varlen`` for multi-token batches (copied, or the
-        #: arange times ``max_q_len`` for uniform ones). Why persistent: captured launches
-        #: read these addresses.
-        self._cu_single = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
-        self._cu_varlen = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
+        self._query_offsets = StagedQueryOffsets(max_batch_size, device)
         #: FA3's scheduler metadata at a fixed address (captured launches read it).
         self._scheduler = torch.zeros(fa3_scheduler_metadata_size(max_batch_size),
                                       dtype=torch.int32, device=device)
@@ -100,15 +102,7 @@ class VllmFA3MLARoute(DecodeRoute):
     def plan(self, batch: DecodeBatch) -> None:
         b, spec = batch.batch_size, self.spec
         self._block_table, self._seq_lens = self._tables.stage(batch)
-        if batch.cu_seqlens_q is None and batch.max_q_len == 1:
-            cu = self._cu_single[: b + 1]
-        elif batch.cu_seqlens_q is None:  # every request has max_q_len query rows
-            cu = torch.mul(self._cu_single[: b + 1], batch.max_q_len,
-                           out=self._cu_varlen[: b + 1])
-        else:
-            cu = self._cu_varlen[: b + 1]
-            cu.copy_(batch.cu_seqlens_q, non_blocking=True)
-        self._cu = cu
+        self._cu = cu = self._query_offsets.stage(batch)
         metadata = self._fa.get_scheduler_metadata(
             batch_size=b,
             max_seqlen_q=batch.max_q_len,

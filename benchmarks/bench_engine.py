@@ -9,9 +9,13 @@ Usage (on the GPU machine, with a CUDA vLLM importable)::
 FLASH_ATTN_MLA (FA3 MLA) is what vLLM 0.33 selects for MLA on SM90 with a bf16 cache;
 FLASHMLA is its pick for FP8 caches (FLASH_ATTN_MLA refuses them).
 
-``--rounds R`` starts every engine R times, the backends interleaved within each round, and
-reports each point's median: engine-to-engine spread on a small model is large (run 15: up
-to 40% between two engines running the same kernel).
+``--rounds R`` starts every engine R times, the backends interleaved within each round (the
+order shifted by one per round), and reports each point's median: engine-to-engine spread on
+a small model is large (run 15: up to 40% between two engines running the same kernel).
+A discarded warm-up engine runs first (``--no-warmup-engine`` skips it): the first engine
+of a bench ran its host code up to 1.9x slower than later ones on the same machine (run 26's
+profile: every CUDA driver call and vLLM's own scheduler and sampler alike; runs 24 and 27:
+the first backend of the order was the slowest at b32 whichever it was).
 
 A backend ``TRTLLM_MLA@ROUTE`` runs the plugin with its decode route forced
 (``TRTLLM_MLA_DECODE_ROUTE=ROUTE``), e.g. ``TRTLLM_MLA@flashinfer-fa3``.
@@ -120,31 +124,51 @@ def timed_generate(llm, prompts: list, n: int) -> float:
     return dt
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One engine: every batch size for one (heads, kv, backend)."""
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    backend, _, route = args.backend.partition("@")
+def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture: list[int]):
+    """The engine every run of this file times: CUDA graphs for decode batches of the sizes
+    in ``capture``, no torch.compile, block 64, prefix caching."""
+    from vllm import LLM
+
+    return LLM(
+        model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+        attention_backend=backend, kv_cache_dtype=args.kv, block_size=64,
+        max_model_len=args.max_prompt + args.output_len + 8, max_num_seqs=max_num_seqs,
+        enable_prefix_caching=True, gpu_memory_utilization=0.6,
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                            "cudagraph_capture_sizes": sorted(set(capture))},
+    )
+
+
+def make_prompts(args: argparse.Namespace, batch: int) -> list:
+    """``batch`` token prompts, lengths from ``prompt_lens`` (the same for every backend)."""
+    from vllm.inputs import TokensPrompt
+
+    lens = prompt_lens(batch, args.min_prompt, args.max_prompt, args.seed)
+    return [TokensPrompt(prompt_token_ids=[(31 * j + 7 * i) % 997 + 1 for j in range(n)])
+            for i, n in enumerate(lens)]
+
+
+def set_route(backend_arg: str) -> tuple[str, str]:
+    """``TRTLLM_MLA@ROUTE`` -> (``TRTLLM_MLA``, ``ROUTE``), forcing the route by env var."""
+    backend, _, route = backend_arg.partition("@")
     if route:
         from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
 
         os.environ[ROUTE_ENV_VAR] = route
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    return backend, route
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine: every batch size for one (heads, kv, backend)."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    backend, route = set_route(args.backend)
+    from vllm import SamplingParams
 
     batches = [int(b) for b in args.batches.split(",")]
-    llm = LLM(
-        model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-        attention_backend=backend, kv_cache_dtype=args.kv, block_size=64,
-        max_model_len=args.max_prompt + args.output_len + 8, max_num_seqs=max(batches),
-        enable_prefix_caching=True, gpu_memory_utilization=0.6,
-        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                            "cudagraph_capture_sizes": sorted(set(batches))},
-    )
+    llm = make_llm(args, backend, max(batches), batches)
     rows = []
     for b in batches:
-        lens = prompt_lens(b, args.min_prompt, args.max_prompt, args.seed)
-        prompts = [TokensPrompt(prompt_token_ids=[(31 * j + 7 * i) % 997 + 1 for j in range(n)])
-                   for i, n in enumerate(lens)]
+        prompts = make_prompts(args, b)
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
                      use_tqdm=False)
         # Fastest of --repeats runs each: the difference below amplifies one-off stalls.
@@ -208,6 +232,14 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
                  status=f"failed ({rc}): {tail}")]
 
 
+def rotated(backends: list[str], rnd: int) -> list[str]:
+    """The backend order of round ``rnd``: shifted by one per round, so that no backend is
+    always started first (runs 24, 26-28: the first engine after a machine's previous work
+    ran its host code up to 1.9x slower, the same kernels on the GPU)."""
+    k = rnd % len(backends)
+    return backends[k:] + backends[:k]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("engine-out"))
@@ -224,6 +256,9 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per engine")
+    ap.add_argument("--warmup-engine", action=argparse.BooleanOptionalAction, default=True,
+                    help="start one engine (the first backend) before the measured ones and "
+                         "discard it (default on)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="start every engine this many times, backends interleaved per round; "
                          "the table reports each point's median over rounds")
@@ -246,9 +281,17 @@ def main() -> None:
             args.out / f"model-h{heads}", num_layers=args.layers, num_heads=heads,
             hidden_size=1024, vocab_size=1024, dtype="bfloat16",
             max_position_embeddings=args.max_prompt + args.output_len + 64)
-        for kv, rnd, backend in ((kv, rnd, backend) for kv in args.kv.split(",")
-                                 for rnd in range(args.rounds)
-                                 for backend in args.backends.split(",")):
+        if args.warmup_engine:
+            first = args.backends.split(",")[0]
+            t0 = time.time()
+            smallest = argparse.Namespace(**vars(args))
+            smallest.batches = str(min(int(b) for b in args.batches.split(",")))
+            warm = engine_rows(smallest, model, heads, args.kv.split(",")[0], first, -1)
+            print(f"[{time.time() - t0:.0f}s] h{heads} warm-up engine ({first}, discarded): "
+                  f"{warm[-1].get('status', '')[:100]}", flush=True)
+        order = [(kv, r, backend) for kv in args.kv.split(",") for r in range(args.rounds)
+                 for backend in rotated(args.backends.split(","), r)]
+        for kv, rnd, backend in order:
             t0 = time.time()
             rows += engine_rows(args, model, heads, kv, backend, rnd)
             print(f"[{time.time() - t0:.0f}s] h{heads} {kv} {backend} round {rnd}: "

@@ -74,7 +74,8 @@ CASES = [
     (16, BatchShape(17, 1), "flashmla"),
     (16, BatchShape(1, 1), "vllm-fa3-mla"),  # ... but vLLM's FA3 for small one-token batches
     (128, BatchShape(16, 1), "vllm-fa3-mla"),
-    (16, BatchShape(8, 3), "flashmla"),  # several query tokens: FlashMLA
+    (16, BatchShape(8, 3), "vllm-fa3-mla"),  # several query tokens: vLLM's FA3 too ...
+    (128, BatchShape(5, 4), "flashmla"),  # ... up to 2048 query rows (5 x 128 x 4 = 2560)
 ]
 
 
@@ -183,7 +184,7 @@ class _StubRoute:
         self.plans.append((batch.batch_size, self.sort_by_length))
 
 
-def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16):
+def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16, q_len=1):
     monkeypatch.setattr(decoder_mod, "platform_of", lambda device: H200)
     stubs = {}
 
@@ -199,7 +200,7 @@ def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16):
             "unsupported_reason": ROUTES[name].unsupported_reason,
             "kernel": ROUTES[name].kernel,
         }))
-    return MLADecoder(spec(heads, kv=kv), "cpu", 512, cuda_graph=cuda_graph), stubs
+    return MLADecoder(spec(heads, kv=kv, q_len=q_len), "cpu", 512, cuda_graph=cuda_graph), stubs
 
 
 def batch(lens, kv_tokens=True):
@@ -257,6 +258,26 @@ def test_cuda_graph_decoder_picks_by_batch_size_only(kernels_present, monkeypatc
     assert [b for b, _ in stubs["flashmla"].plans] == [128, 128, 128, 128, 32, 32, 63, 17]
     assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [1, 16]
     assert stubs["flashinfer-fa3"].plans == []
+
+
+@pytest.mark.parametrize(("heads", "q_len", "largest_fa3_batch"), [
+    (128, 4, 4),    # 4 x 128 x 4 = 2048 query rows; b5 (2560 rows) goes to FlashMLA
+    (128, 2, 8),
+    (64, 2, 16),    # 16 x 64 x 2 = 2048
+    (16, 4, 16),    # the request bound binds first (16 x 16 x 4 = 1024 rows)
+])
+def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, heads, q_len,
+                                                  largest_fa3_batch):
+    """Speculative decoding under CUDA graphs: vLLM's FA3 MLA kernel takes batches of at
+    most VLLM_FA3_GRAPH_MAX_BATCH requests and VLLM_FA3_GRAPH_MAX_ROWS query rows (h128 q4
+    b5-b9 ran 1.4x faster on FlashMLA in run 23), FlashMLA the rest."""
+    dec, _ = stub_decoder(monkeypatch, heads=heads, cuda_graph=True, q_len=q_len)
+    for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 64):
+        lens = torch.full((b,), 4 * K, dtype=torch.int32)
+        dec.plan(DecodeBatch(torch.zeros(b, 512, dtype=torch.int32), lens, 4 * K,
+                             max_q_len=q_len, num_tokens=b * q_len))
+        expected = "vllm-fa3-mla" if b <= largest_fa3_batch else "flashmla"
+        assert dec.route.name == expected, b
 
 
 def test_forced_route_is_the_only_route(kernels_present, monkeypatch):

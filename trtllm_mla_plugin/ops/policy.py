@@ -70,14 +70,21 @@ FLASHMLA_MIN_WORK = 200_000
 # back from a busy GPU. In the engine (runs 13-15, h16 bf16, CUDA graphs) TRTLLM_MLA on FA3
 # was slower than vLLM's FLASHMLA at b128/b256 and in 3 of 4 samples at b32; FA3's kernel
 # lead over FlashMLA is a few us per layer where it has one.
-#: Under CUDA graphs, one-token batches up to this size go to vLLM's FA3 MLA kernel (the
-#: kernel of vLLM's default SM90 backend, FLASH_ATTN_MLA): without lengths, small batches
-#: are where FlashMLA's fixed cost shows. Run 23 (75 random bf16 shapes): fitted on seeds
-#: 1-2, where FlashMLA alone scored geomean 0.92 of vLLM's kernel and this rule 1.01;
-#: checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first above it (engine run 24, h16 b32,
-#: 1k-8k prompts: FLASHMLA 3.25 ms per step, FLASH_ATTN_MLA 3.58) and for several query
-#: tokens (the route's uniform multi-token path is tested on the CPU only).
+#: Under CUDA graphs, batches of at most this many requests go to vLLM's FA3 MLA kernel
+#: (the kernel of vLLM's default SM90 backend, FLASH_ATTN_MLA): without lengths, small
+#: batches are where FlashMLA's fixed cost shows. Run 23 (75 random bf16 shapes), one-token
+#: batches: fitted on seeds 1-2, where FlashMLA alone scored geomean 0.92 of vLLM's kernel and
+#: this rule 1.01; checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first above it (engine
+#: run 24, h16 b32, 1k-8k prompts: FLASHMLA 3.25 ms per step, FLASH_ATTN_MLA 3.58) ...
 VLLM_FA3_GRAPH_MAX_BATCH = 16
+#: ... and for batches with more query rows (requests x heads x query tokens) than this:
+#: with several query tokens and 128 heads FlashMLA ran 1.4x faster (h128 b9 q4: 611 vs
+#: 868 us; b5 q4 and b6 q4 alike). Seeds 1-2 allow any bound from 1024 to 4608 rows; 2048
+#: is 16 x 128, the largest one-token batch of the rule above, so one-token batches are
+#: unaffected. Every small multi-token batch under it ran 1.1-1.5x faster on FA3 (15 of 15
+#: shapes, seeds 1-4). Graph rule against vLLM's kernel, geomean seeds 1-2 / 3-4: 1.05 /
+#: 1.06 (one-token batches only: 1.01 / 1.01).
+VLLM_FA3_GRAPH_MAX_ROWS = 2048
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -154,10 +161,12 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
 
 def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 CUDA-graph rule for small batches: vLLM's FA3 MLA kernel ahead of FlashMLA
-    for one-token batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests."""
-    del spec
-    return (shape is not None and shape.max_seq_len is None and shape.max_q_len == 1
-            and shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH)
+    for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
+    ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows."""
+    if shape is None or shape.max_seq_len is not None:
+        return False
+    rows = shape.batch_size * spec.num_heads * shape.max_q_len
+    return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
 
 
 def triton_fp8_candidate(spec: DecodeSpec) -> bool:

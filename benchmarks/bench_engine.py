@@ -232,6 +232,26 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
                  status=f"failed ({rc}): {tail}")]
 
 
+def add_shared_args(ap: argparse.ArgumentParser) -> None:
+    """Prompt arguments and the worker-only ones, shared with ``profile_engine_step.py``."""
+    ap.add_argument("--min-prompt", type=int, default=1024)
+    ap.add_argument("--max-prompt", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+
+
+def build_model(out: Path, heads: int, layers: int, max_len: int) -> Path:
+    """The random-weight DeepSeek-V3-style model of these benchmarks, in ``out``."""
+    from trtllm_mla_plugin.testing.tiny_model import build_tiny_deepseek_v3
+
+    return build_tiny_deepseek_v3(
+        out / f"model-h{heads}", num_layers=layers, num_heads=heads, hidden_size=1024,
+        vocab_size=1024, dtype="bfloat16", max_position_embeddings=max_len + 64)
+
+
 def rotated(backends: list[str], rnd: int) -> list[str]:
     """The backend order of round ``rnd``: shifted by one per round, so that no backend is
     always started first (runs 24, 26-28: the first engine after a machine's previous work
@@ -252,9 +272,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per length (fastest kept)")
     ap.add_argument("--short-len", type=int, default=8,
                     help="decode steps of the shorter run the step time is differenced against")
-    ap.add_argument("--min-prompt", type=int, default=1024)
-    ap.add_argument("--max-prompt", type=int, default=8192)
-    ap.add_argument("--seed", type=int, default=0)
+    add_shared_args(ap)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per engine")
     ap.add_argument("--warmup-engine", action=argparse.BooleanOptionalAction, default=True,
                     help="start one engine (the first backend) before the measured ones and "
@@ -262,25 +280,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="start every engine this many times, backends interleaved per round; "
                          "the table reports each point's median over rounds")
-    # worker-only arguments
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--backend", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         args.heads = int(args.heads)
         worker(args)
         return
-    from trtllm_mla_plugin.testing.tiny_model import build_tiny_deepseek_v3
-
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
-        model = build_tiny_deepseek_v3(
-            args.out / f"model-h{heads}", num_layers=args.layers, num_heads=heads,
-            hidden_size=1024, vocab_size=1024, dtype="bfloat16",
-            max_position_embeddings=args.max_prompt + args.output_len + 64)
+        model = build_model(args.out, heads, args.layers, args.max_prompt + args.output_len)
         if args.warmup_engine:
             first = args.backends.split(",")[0]
             t0 = time.time()

@@ -37,6 +37,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import bench_engine  # this folder is on sys.path when a file of it runs as a script
+
 #: Scopes wrapped here (where the class has the method), on top of vLLM's own ones. The
 #: engine core's step is the unit; vLLM 0.33 may run either model runner.
 STEP_SCOPE = "engine core: step"
@@ -156,8 +158,6 @@ def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
-    sys.path.insert(0, str(Path(__file__).parent))
-    import bench_engine
     import torch
     from vllm import SamplingParams
 
@@ -226,16 +226,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=32, help="decode steps profiled")
     ap.add_argument("--short-len", type=int, default=8)
-    ap.add_argument("--min-prompt", type=int, default=1024)
-    ap.add_argument("--max-prompt", type=int, default=8192)
-    ap.add_argument("--seed", type=int, default=0)
+    bench_engine.add_shared_args(ap)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per engine")
     ap.add_argument("--summarize", nargs="+", metavar="TRACE",
                     help="only summarise these trace-*.json.gz files (no GPU needed)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--backend", help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -249,13 +243,9 @@ def main() -> None:
             summaries.append(summary)
         print_comparison(summaries)
         return
-    from trtllm_mla_plugin.testing.tiny_model import build_tiny_deepseek_v3
-
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_deepseek_v3(
-        args.out / f"model-h{args.heads}", num_layers=args.layers, num_heads=args.heads,
-        hidden_size=1024, vocab_size=1024, dtype="bfloat16",
-        max_position_embeddings=args.max_prompt + args.steps + 64)
+    model = bench_engine.build_model(args.out, args.heads, args.layers,
+                                     args.max_prompt + args.steps)
     summaries = []
     for kv in args.kv.split(","):
         for backend in args.backends.split(","):

@@ -1,0 +1,80 @@
+"""The engine benchmarks' bookkeeping, on the CPU: the decode-step summary of a profiler
+trace (``profile_engine_step.summarize``) and the per-round backend order of
+``bench_engine``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import bench_engine
+import profile_engine_step
+from profile_engine_step import STEP_SCOPE, summarize
+
+
+def _x(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+
+def _trace() -> dict:
+    """An eager prefill step, then three decode steps that each launch a CUDA graph."""
+    ev = [
+        _x(STEP_SCOPE, "user_annotation", 0, 1000),  # prefill: no graph launch
+        _x("kernel-prefill", "kernel", 100, 800),
+        _x(STEP_SCOPE, "user_annotation", 1000, 500),
+        _x(STEP_SCOPE, "gpu_user_annotation", 1000, 500),  # GPU-side copy: not a step
+        _x("cudaGraphLaunch", "cuda_runtime", 1100, 40),
+        _x("runner: sample_tokens", "user_annotation", 1200, 100),
+        _x("decode", "kernel", 1150, 150),
+        _x("combine", "kernel", 1250, 150),  # overlaps the one before: counted once
+        _x(STEP_SCOPE, "user_annotation", 1600, 400),
+        _x("cudaGraphLaunch", "cuda_runtime", 1700, 30),
+        _x("runner: sample_tokens", "user_annotation", 1650, 50),
+        _x("runner: sample_tokens", "user_annotation", 1900, 30),  # same step: 80 in all
+        _x("decode", "kernel", 1750, 50),
+        _x(STEP_SCOPE, "user_annotation", 2100, 600),
+        _x("cudaGraphLaunch", "cuda_runtime", 2200, 50),
+        _x("runner: sample_tokens", "user_annotation", 2150, 120),
+        _x("decode", "kernel", 2300, 300),
+    ]
+    return {"traceEvents": ev}
+
+
+def test_summary_counts_graph_decode_steps_only():
+    s = summarize(_trace())
+    assert s["decode_steps"] == 3
+    assert s["step_median_us"] == 500  # of 500, 400, 600
+    assert s["step_period_us"] == 550  # starts 1000, 1600, 2100
+    # GPU union over the decode steps: 250 + 50 + 300 (the prefill kernel is outside)
+    assert s["gpu_busy_us_per_step"] == 200
+    assert s["gpu_busy_fraction"] == pytest.approx(600 / 1700, abs=1e-3)
+    scopes = {r["name"]: r["median_us_per_step"] for r in s["scopes"]}
+    assert scopes["runner: sample_tokens"] == 100  # of 100, 80, 120
+    kernels = {r["name"]: r for r in s["kernels"]}
+    assert kernels["decode"]["calls_per_step"] == 1.0
+    assert kernels["decode"]["us_per_step"] == pytest.approx(500 / 3, abs=0.1)
+    runtime = {r["name"]: r for r in s["runtime"]}
+    assert runtime["cudaGraphLaunch"]["us_per_step"] == 40
+
+
+def test_summary_needs_decode_steps():
+    trace = _trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e["name"] != "cudaGraphLaunch"]
+    with pytest.raises(ValueError, match="0 CUDA-graph decode steps"):
+        summarize(trace)
+
+
+def test_union_of_intervals():
+    assert profile_engine_step._union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert profile_engine_step._union_us([]) == 0
+
+
+def test_backend_order_rotates_per_round():
+    names = ["TRTLLM_MLA", "FLASHMLA", "FLASH_ATTN_MLA"]
+    firsts = [bench_engine.rotated(names, r)[0] for r in range(3)]
+    assert sorted(firsts) == sorted(names)
+    assert all(sorted(bench_engine.rotated(names, r)) == sorted(names) for r in range(5))

@@ -74,8 +74,11 @@ FLASHMLA_MIN_WORK = 200_000
 #: (the kernel of vLLM's default SM90 backend, FLASH_ATTN_MLA): without lengths, small
 #: batches are where FlashMLA's fixed cost shows. Run 23 (75 random bf16 shapes), one-token
 #: batches: fitted on seeds 1-2, where FlashMLA alone scored geomean 0.92 of vLLM's kernel and
-#: this rule 1.01; checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first above it (engine
-#: run 24, h16 b32, 1k-8k prompts: FLASHMLA 3.25 ms per step, FLASH_ATTN_MLA 3.58) ...
+#: this rule 1.01; checked on seeds 3-4 (0.97 -> 1.01). FlashMLA stays first above it: at
+#: 17-146 requests the faster kernel depends on the context length, which this rule cannot
+#: see (run 23: FlashMLA 1.1-1.5x faster from ~2.5k tokens, FA3 1.3-1.5x faster at 0.3-2k),
+#: and servers' contexts are mostly long. A bound of 64 moved the geomean of seeds 1-2 or
+#: 3-4 by at most 0.02 ...
 VLLM_FA3_GRAPH_MAX_BATCH = 16
 #: ... and for batches with more query rows (requests x heads x query tokens) than this:
 #: with several query tokens and 128 heads FlashMLA ran 1.4x faster (h128 b9 q4: 611 vs

@@ -4,7 +4,7 @@ peers of ``bench_decode.py`` (imported: same cases, CUDA-graph timing and copy c
 
 Usage (on the GPU machine)::
 
-    python benchmarks/bench_swapab.py --out DIR [--budget-s 200] [--no-prewarm]
+    python benchmarks/bench_swapab.py --out DIR [--budget-s 200] [--no-prewarm] [--kv bf16,fp8]
 
 Writes ``DIR/swapab.csv`` (one row per shape x kernel: compile facts, error, time, % of the
 copy ceiling, best peer over this kernel's time) and ``DIR/ceilings.csv``; prints tables.
@@ -24,21 +24,30 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd
-from decode_kernels import Case, Kernel, decoder_kernel, flashmla_peer, plugin_kernels
+from decode_kernels import (
+    Case,
+    Kernel,
+    decoder_kernel,
+    flashmla_fp8_peer,
+    flashmla_peer,
+    plugin_kernels,
+)
 from triton_ptx_probe import mma_loop_spills
 
 from trtllm_mla_plugin.ops import mla_decode_reference
 from trtllm_mla_plugin.ops.kernels import swapab_mla_decode as sk
 
 K = 1024
-BF = bd.BF
-#: (heads, batch, ctx, lens, q_len, kv, block): error against float64.
+BF, F8 = bd.BF, bd.F8
+#: (heads, batch, ctx, lens, q_len, kv, block): error against float64. FP8 rows: an e4m3
+#: cache read with the bf16 query (the reference reads the same stored values).
 CHECK = [(16, 1, 8 * K, "u", 1, BF, 64), (16, 32, 4 * K, "r", 1, BF, 64),
          (32, 64, 4 * K, "r", 1, BF, 64), (128, 32, 4 * K, "u", 1, BF, 64),
-         (16, 64, 4 * K, "r", 4, BF, 64), (128, 1, 8 * K, "u", 4, BF, 64)]
-#: Timed: ragged lengths uniform in [1, ctx].
-TIMED = [(h, b, ctx, "r", 1, BF, 64) for h in (16, 32) for b in (32, 64, 128)
-         for ctx in (4 * K, 8 * K)]
+         (16, 64, 4 * K, "r", 4, BF, 64), (128, 1, 8 * K, "u", 4, BF, 64),
+         (16, 32, 4 * K, "r", 1, F8, 64), (32, 64, 4 * K, "r", 2, F8, 64)]
+#: Timed, per KV dtype (``--kv``): ragged lengths uniform in [1, ctx].
+TIMED = {kv: [(h, b, ctx, "r", 1, kv, 64) for h in (16, 32) for b in (32, 64, 128)
+              for ctx in (4 * K, 8 * K)] for kv in (BF, F8)}
 #: Swap-AB variants timed per head count: (label, launch_config overrides).
 VARIANTS: dict[int, list[tuple[str, dict]]] = {
     16: [("swapab", {}), ("swapab-w8", {"num_warps": 8}), ("swapab-ptr", {"use_tma": False})],
@@ -93,8 +102,8 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
             (diff.abs().max() / ref.abs().max()).item())
 
 
-def check(device, writer) -> None:
-    for idx, shape in enumerate(CHECK):
+def check(device, writer, kvs: list[str]) -> None:
+    for idx, shape in enumerate(s for s in CHECK if s[5] in kvs):
         case = bd.make_case(shape, seed=500 + idx, device=device)
         ref = float64_reference(case)
         k = swapab_kernel("swapab", case)
@@ -122,7 +131,7 @@ def timed_kernels(case: Case) -> list[Kernel]:
     ks = [swapab_kernel(name, case, **kw) for name, kw in VARIANTS[case.spec.num_heads]]
     ks += plugin_kernels(case, "random")
     ks.append(decoder_kernel("triton-balanced", case, "triton-balanced"))
-    ks.append(flashmla_peer(case))
+    ks.append(flashmla_fp8_peer(case) if case.spec.fp8_kv else flashmla_peer(case))
     return ks
 
 
@@ -172,7 +181,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=200.0,
                     help="stop timing (rows marked skipped) after this many seconds")
     ap.add_argument("--no-prewarm", action="store_true")
+    ap.add_argument("--kv", default=BF, help="cache dtypes to check and time: bf16, fp8 or "
+                                             "both (bf16,fp8)")
     args = ap.parse_args()
+    kvs = args.kv.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     device = torch.device("cuda")
@@ -196,12 +208,12 @@ def main() -> None:
     with open(args.out / "swapab.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        check(device, writer)
+        check(device, writer, kvs)
         f.flush()
         if prewarm:
             prewarm.join()
         print(f"[{time.time() - t0:.0f}s] checks done", flush=True)
-        for idx, shape in enumerate(TIMED):
+        for idx, shape in enumerate(s for kv in kvs for s in TIMED[kv]):
             time_shape(shape, idx, device, writer, summary, t0 + args.budget_s)
             f.flush()
             print(f"[{time.time() - t0:.0f}s] {summary[-1][0]} timed", flush=True)

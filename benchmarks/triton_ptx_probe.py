@@ -205,24 +205,29 @@ def probe_swapab(arch: int = 90) -> list[ProbeResult]:
 
     results = []
     for heads, q_len, kw in SWAPAB_PROBES:
-        cfg = sk.launch_config(heads, q_len, **kw)
-        sig, consts, aligned = sk.compile_signature(heads, q_len, cfg)
+        overrides = {k: v for k, v in kw.items() if k != "kv_dtype"}
+        kv_dtype = kw.get("kv_dtype", "bf16")
+        cfg = sk.launch_config(heads, q_len, **overrides)
+        sig, consts, aligned = sk.compile_signature(heads, q_len, cfg, kv_dtype=kv_dtype)
         label = (f"swapab h{heads} q{q_len} bn{cfg.block_n} bh{cfg.block_h} "
-                 f"{'tma' if cfg.use_tma else 'ptr'}")
+                 f"{'tma' if cfg.use_tma else 'ptr'} w{cfg.num_warps} kv-{kv_dtype}")
         results.append(probe(sk._swapab_decode_kernel, sig, consts, name=label,
                              aligned=aligned, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages, arch=arch))
     return results
 
 
-#: (heads, q_len, launch_config overrides) probed by ``--swapab``: the defaults (TMA
-#: tiles), the pointer-load (cp.async) path, and a few alternatives.
+#: (heads, q_len, launch_config overrides, plus ``kv_dtype``) probed by ``--swapab``: the
+#: defaults (TMA tiles), the pointer-load (cp.async) path, a few alternatives, and FP8
+#: (e4m3) caches widened to bf16 in registers.
 SWAPAB_PROBES: list[tuple[int, int, dict]] = [
     (16, 1, {}), (16, 2, {}), (16, 4, {}), (32, 1, {}), (64, 1, {}), (128, 1, {}),
     (128, 4, {}),
     (16, 1, {"use_tma": False}), (16, 4, {"use_tma": False}), (64, 1, {"use_tma": False}),
     (16, 1, {"num_warps": 8}), (32, 1, {"num_warps": 4}), (16, 4, {"block_h": 16}),
     (64, 1, {"block_h": 64}), (16, 1, {"block_n": 128, "num_stages": 1}),
+    (16, 1, {"kv_dtype": "fp8e4nv"}), (16, 1, {"kv_dtype": "fp8e4nv", "num_warps": 8}),
+    (32, 1, {"kv_dtype": "fp8e4nv"}), (16, 4, {"kv_dtype": "fp8e4nv"}),
 ]
 
 

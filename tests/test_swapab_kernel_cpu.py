@@ -63,8 +63,9 @@ def make_inputs(lens: list[int], q_lens: list[int], heads: int, seed: int,
 
 
 def run_case(lens: list[int], q_lens: int | list[int], heads: int, splits: int,
-             seed: int = 0, **config) -> float:
-    """Relative error of one decode (``q_lens`` int: a 4-D query; list: 3-D + offsets)."""
+             seed: int = 0, k_scale: float | None = None, **config) -> float:
+    """Relative error of one decode (``q_lens`` int: a 4-D query; list: 3-D + offsets).
+    ``k_scale``: the cache is stored in FP8 (e4m3, value / k_scale) and read with it."""
     from trtllm_mla_plugin.ops.kernels.swapab_mla_decode import (
         launch_config,
         swapab_mla_decode,
@@ -74,18 +75,25 @@ def run_case(lens: list[int], q_lens: int | list[int], heads: int, splits: int,
     cfg = launch_config(heads, max(per_req), PAGE, **{"block_n": PAGE, **config})
     q, kv, table = make_inputs(lens, per_req, heads, seed,
                                junk=1.0e4 if cfg.use_tma else float("nan"))
+    scale = {}
+    if k_scale is not None:
+        # The reference reads the same stored values, dequantised: the kernel's own error.
+        kv = (kv / k_scale).to(torch.float8_e4m3fn)
+        scale = {"k_scale": k_scale}
     lens_t = torch.tensor(lens, dtype=torch.int32)
     out = torch.full((q.shape[0], heads, DC), float("nan"))
     if isinstance(q_lens, list):
         cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(per_req), 0)
         swapab_mla_decode(q, kv, table, lens_t, SCALE, out, cu_seqlens_q=cu,
-                          kv_lora_rank=DC, num_splits=splits, config=cfg)
+                          kv_lora_rank=DC, num_splits=splits, config=cfg, **scale)
     else:
         b = len(lens)
         swapab_mla_decode(q.view(b, q_lens, heads, -1), kv, table, lens_t, SCALE,
                           out.view(b, q_lens, heads, DC), kv_lora_rank=DC,
-                          num_splits=splits, config=cfg)
+                          num_splits=splits, config=cfg, **scale)
+    if k_scale is not None:
+        kv = kv.double() * k_scale
     ref = float64_decode(q, kv, table, lens, per_req)
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -106,6 +114,11 @@ CASES: list[tuple[str, dict]] = [
     ("pointer loads, tiles of two pages", dict(lens=[50, 7, 129], q_lens=1, heads=16,
                                                splits=4, use_tma=False, block_n=2 * PAGE)),
     ("one CTA (no partials)", dict(lens=[40, 3], q_lens=1, heads=16, splits=1)),
+    ("FP8 cache with a scale, TMA, q3", dict(lens=[5, 40, 17, 100], q_lens=3, heads=16,
+                                             splits=5, k_scale=0.05)),
+    ("FP8 cache, pointer loads, 3-D query", dict(lens=[64, 200, 9, 4], q_lens=[1, 3, 2, 4],
+                                                 heads=16, splits=7, k_scale=2.0,
+                                                 use_tma=False)),
 ]
 
 

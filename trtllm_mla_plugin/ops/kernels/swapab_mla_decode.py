@@ -25,8 +25,12 @@ cache slots past a request's length must hold finite values (vLLM allocates its 
 with ``torch.zeros``, ``v1/worker/utils.py`` ``allocate_kv_cache``; reused slots hold
 earlier finite entries).
 
-Cache: bf16/fp16, the query's dtype (no FP8 here: widening FP8 in registers would keep
-the K tile out of shared memory, which wgmma needs).
+Cache: the query's dtype (bf16/fp16), or FP8 (e4m3) with a per-tensor scale read with a
+bf16 query: the FP8 tile comes by TMA (half the bytes), is widened to bf16 in registers and
+feeds wgmma as its register operand A (K for the scores, V^T for the output); the scale is
+folded into the score scale and the output. On sm_90 that path spills inside the KV loop
+(the widened tile lives in registers across the softmax; docs/benchmarks.md), so it is a
+correctness baseline for an FP8 kernel, not a fast one.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def _swapab_decode_kernel(
     stride_kv_block, stride_kv_token,
     stride_bt,
     stride_out_row, stride_out_head,
-    qk_scale_log2,
+    qk_scale_log2, v_scale,
     DC: tl.constexpr, DR: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr, MAX_Q: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -123,6 +127,11 @@ def _swapab_decode_kernel(
                               other=0.0)
                 k_r = tl.load(kv_rows[:, None] + DC + offs_r[None, :], mask=tok_ok[:, None],
                               other=0.0)
+            # An FP8 cache is widened to the query's dtype in registers (exact: every e4m3
+            # value is a bf16 value); its scale is folded into qk_scale_log2 and v_scale.
+            # wgmma takes the tall operand (K, and V^T below) from registers.
+            k_c = k_c.to(q_c.dtype)
+            k_r = k_r.to(q_r.dtype)
             s = tl.dot(k_c, qt_c)
             s = tl.dot(k_r, qt_r, s)
             s = s * qk_scale_log2
@@ -136,7 +145,7 @@ def _swapab_decode_kernel(
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[None, :]
+        o = acc * (v_scale / l_safe)[None, :]
         whole = (p == req_p0) & (seg_p1 == req_p1)
         if whole:
             out_cols = (q0 + col_t).to(tl.int64) * stride_out_row + col_h * stride_out_head
@@ -206,16 +215,17 @@ def search_steps(batch: int) -> int:
 
 def compile_signature(
     heads: int, q_len: int, config: SwapABConfig, dtype: str = "bf16", dc: int = 512,
-    dr: int = 64, page: int = 64, batch: int = 128,
+    dr: int = 64, page: int = 64, batch: int = 128, kv_dtype: str | None = None,
 ) -> tuple[dict[str, str], dict[str, int], tuple[str, ...]]:
     """``(signature, constexprs, 16-aligned args)`` of ``_swapab_decode_kernel`` as the JIT
-    specialises it for these shapes (for ahead-of-time compiles without a GPU)."""
-    ptr = f"*{dtype}"
-    sig = {"q_ptr": ptr, "kv_ptr": ptr, "out_ptr": ptr, "part_out_ptr": "*fp32",
-           "part_lse_ptr": "*fp32", "qk_scale_log2": "fp32"}
+    specialises it for these shapes (for ahead-of-time compiles without a GPU).
+    ``kv_dtype``: the cache's Triton type (``"fp8e4nv"`` for e4m3), default ``dtype``."""
+    ptr, kv = f"*{dtype}", kv_dtype or dtype
+    sig = {"q_ptr": ptr, "kv_ptr": f"*{kv}", "out_ptr": ptr, "part_out_ptr": "*fp32",
+           "part_lse_ptr": "*fp32", "qk_scale_log2": "fp32", "v_scale": "fp32"}
     if config.use_tma:
-        sig["kc_desc"] = f"tensordesc<{dtype}[{config.block_n},{dc}]>"
-        sig["kr_desc"] = f"tensordesc<{dtype}[{config.block_n},{dr}]>"
+        sig["kc_desc"] = f"tensordesc<{kv}[{config.block_n},{dc}]>"
+        sig["kr_desc"] = f"tensordesc<{kv}[{config.block_n},{dr}]>"
     sig.update({n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "cu_q_ptr",
                                     "page_start_ptr")})
     ints = ("batch_size", "num_heads", "num_ctas", "min_pages", "stride_q_row",
@@ -333,6 +343,7 @@ def swapab_mla_decode(
     *,
     cu_seqlens_q: torch.Tensor | None = None,
     kv_lora_rank: int = 512,
+    k_scale: float = 1.0,
     plan: SwapABPlan | None = None,
     num_splits: int | None = None,
     config: SwapABConfig | None = None,
@@ -342,14 +353,16 @@ def swapab_mla_decode(
     Args:
         q: ``[batch, q_len, heads, Dc + Dr]`` bf16/fp16 (every request ``q_len`` tokens),
             or ``[num_tokens, heads, Dc + Dr]`` with ``cu_seqlens_q``; last dim contiguous.
-        kv_cache: ``[num_blocks, page, Dc + Dr]`` in ``q``'s dtype, last dim contiguous;
-            values are the first ``Dc`` (``kv_lora_rank``) features of each row.
+        kv_cache: ``[num_blocks, page, Dc + Dr]`` in ``q``'s dtype or ``float8_e4m3fn``
+            (real value = stored x ``k_scale``, for keys and values alike), last dim
+            contiguous; values are the first ``Dc`` (``kv_lora_rank``) features of a row.
         block_table: ``[batch, max_blocks]`` int32 physical block ids.
         seq_lens: ``[batch]`` int32 keys per request including its query tokens.
         softmax_scale: multiplies ``q . k`` before softmax.
         out: ``q``'s shape with ``Dc`` as last dim (``[batch, q_len, heads, Dc]`` or
             ``[num_tokens, heads, Dc]``), ``q``'s dtype; written in place and returned.
         cu_seqlens_q: ``[batch + 1]`` int32 query-row offsets for a 3-D ``q``.
+        k_scale: the FP8 cache's dequantisation scale (ignored as 1.0 for other caches).
         plan: from ``plan_swapab`` for this batch (made here when ``None``, with
             ``num_splits`` and ``config``).
     """
@@ -363,8 +376,11 @@ def swapab_mla_decode(
         t = None
     _, heads, head_dim = q3.shape
     batch, page = seq_lens.shape[0], kv_cache.shape[1]
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"the swap-AB kernel reads a {q.dtype} cache, got {kv_cache.dtype}")
+    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"the swap-AB kernel reads a {q.dtype} or float8_e4m3fn cache, got "
+                         f"{kv_cache.dtype}")
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        k_scale = 1.0
     if plan is None:
         # A 3-D query's longest request is read back from the device here (a sync); pass a
         # plan from ``plan_swapab`` to avoid it.
@@ -387,7 +403,7 @@ def swapab_mla_decode(
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         out3.stride(0), out3.stride(1),
-        softmax_scale * LOG2E,
+        softmax_scale * LOG2E * k_scale, k_scale,
         DC=kv_lora_rank, DR=head_dim - kv_lora_rank, PAGE=page, BLOCK_N=cfg.block_n,
         BLOCK_H=cfg.block_h, MAX_Q=plan.max_q, SEARCH_STEPS=steps, USE_TMA=cfg.use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -26,23 +26,24 @@ import torch
 from trtllm_mla_plugin.ops import DecodeSpec, Platform, policy
 
 H200 = Platform("cuda", (9, 0), "NVIDIA H200")
-#: Row names of the forced plugin routes the bf16 policy picks between.
-ROUTE_ROWS = {"fa3": "peer:flashinfer-fa3", "fa3-sorted": "fa3-sorted", "flashmla": "flashmla",
+#: Row of each bf16 route the policy picks between (FA3: FlashInfer's wrapper as the peer
+#: calls it; ``fa3-sorted`` where the route would sort the requests).
+ROUTE_ROWS = {"flashinfer-fa3": "peer:flashinfer-fa3", "flashmla": "flashmla",
               "vllm-fa3-mla": "vllm-fa3-mla"}
 
 
 def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
-    """Row name of the kernel the current policy runs for this bf16 shape."""
+    """Row name of the kernel the current policy runs for this bf16 shape: the first route
+    of ``policy.rank`` that this bench timed and that can serve the page size."""
     heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
-    if graph:
-        ranking = policy.rank(spec, H200, policy.BatchShape(b, q))
-        return ROUTE_ROWS[next(n for n in ranking if n in ROUTE_ROWS)]
-    shape = policy.BatchShape(b, q, max(lens), sum(lens))
-    if r["block"] == "64" and policy.hopper_prefers_flashmla(spec, shape):
-        return ROUTE_ROWS["flashmla"]
-    sort = policy.fa_sort_by_length(spec, shape) and b > 1
-    return ROUTE_ROWS["fa3-sorted" if sort else "fa3"]
+    shape = (policy.BatchShape(b, q) if graph
+             else policy.BatchShape(b, q, max(lens), sum(lens)))
+    name = next(n for n in policy.rank(spec, H200, shape)
+                if n in ROUTE_ROWS and (n != "flashmla" or r["block"] == "64"))
+    if name == "flashinfer-fa3" and b > 1 and policy.fa_sort_by_length(spec, shape):
+        return "fa3-sorted"
+    return ROUTE_ROWS[name]
 
 
 def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,

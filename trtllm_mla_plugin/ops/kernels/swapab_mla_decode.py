@@ -128,7 +128,9 @@ def _swapab_decode_kernel(
                 k_r = tl.load(kv_rows[:, None] + DC + offs_r[None, :], mask=tok_ok[:, None],
                               other=0.0)
             # An FP8 cache is widened to the query's dtype in registers (exact: every e4m3
-            # value is a bf16 value); its scale is folded into qk_scale_log2 and v_scale.
+            # value is a bf16 value); its scale is folded into qk_scale_log2 and v_scale
+            # (applied where results are written, partials by the merge, as in
+            # balanced_mla_decode).
             # wgmma takes the tall operand (K, and V^T below) from registers.
             k_c = k_c.to(q_c.dtype)
             k_r = k_r.to(q_r.dtype)
@@ -145,12 +147,12 @@ def _swapab_decode_kernel(
             m_i = m_new
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc * (v_scale / l_safe)[None, :]
+        o = acc / l_safe[None, :]
         whole = (p == req_p0) & (seg_p1 == req_p1)
         if whole:
             out_cols = (q0 + col_t).to(tl.int64) * stride_out_row + col_h * stride_out_head
             tl.store(out_ptr + out_cols[None, :] + offs_c[:, None],
-                     o.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
+                     (o * v_scale).to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
         else:
             part = _partial_row(cta, tl.where(p == p_begin, 0, 1), col_t, col_h, num_heads,
                                 MAX_Q)
@@ -362,7 +364,7 @@ def swapab_mla_decode(
         out: ``q``'s shape with ``Dc`` as last dim (``[batch, q_len, heads, Dc]`` or
             ``[num_tokens, heads, Dc]``), ``q``'s dtype; written in place and returned.
         cu_seqlens_q: ``[batch + 1]`` int32 query-row offsets for a 3-D ``q``.
-        k_scale: the FP8 cache's dequantisation scale (ignored as 1.0 for other caches).
+        k_scale: the cache's dequantisation scale (real = stored x ``k_scale``; FP8).
         plan: from ``plan_swapab`` for this batch (made here when ``None``, with
             ``num_splits`` and ``config``).
     """
@@ -379,8 +381,6 @@ def swapab_mla_decode(
     if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         raise ValueError(f"the swap-AB kernel reads a {q.dtype} or float8_e4m3fn cache, got "
                          f"{kv_cache.dtype}")
-    if kv_cache.dtype != torch.float8_e4m3fn:
-        k_scale = 1.0
     if plan is None:
         # A 3-D query's longest request is read back from the device here (a sync); pass a
         # plan from ``plan_swapab`` to avoid it.
@@ -410,5 +410,5 @@ def swapab_mla_decode(
     )
     merge_partials(out3, plan.part_out, plan.part_lse, plan.cu_q, plan.page_start,
                    num_ctas=plan.num_ctas, min_pages=min_pages, max_q_len=plan.max_q,
-                   search_steps=steps)
+                   search_steps=steps, v_scale=k_scale)
     return out

@@ -4,10 +4,13 @@ Usage (one process, on the GPU machine)::
 
     python benchmarks/bench_decode.py --out DIR [--quick] [--noise] [--host]
         [--random 1,2 [--random-count 40]] [--train 100] [--no-grid]
+    python benchmarks/bench_decode.py --out DIR --paired 5 [--shapes ...] [--random 1,2]
 
 Writes ``DIR/decode.csv`` (the grid: one row per shape x kernel x pass), ``random-S.csv``
 per random seed S, ``train.csv`` (the policy-fit sweep), ``shapes.jsonl`` (every shape's
-lengths), ``DIR/ceilings.csv`` and ``DIR/host.csv``, then prints summary tables. Shapes:
+lengths), ``DIR/ceilings.csv`` and ``DIR/host.csv``, then prints summary tables. With
+``--paired`` only FP8 shapes are timed, the plugin against FLASHMLA FP8 alternately
+(``DIR/paired.csv``, one row per alternation). Shapes:
 DeepSeek-V3/Kimi-K2 absorbed MLA (latent 512 + rope 64, softmax scale 1/sqrt(192));
 lengths all = ctx ("u"), uniform-random in [1, ctx] ("r") or in [lo * ctx, ctx]
 ("r0.37"), with a fixed seed per shape.
@@ -173,10 +176,8 @@ def bytes_flops(case: Case) -> tuple[int, float]:
     return nbytes, 2.0 * spec.num_heads * (D + DC) * visible
 
 
-def time_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> float:
-    """Median microseconds of one call, from graph replays of ``reps`` calls."""
-    import triton.testing
-
+def capture_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of ``reps`` calls of ``fn``, rotating over the case's cache copies."""
     for c in case.caches[:2]:
         fn(c)  # warm-up (JIT, lazy state) outside capture
     torch.cuda.synchronize()
@@ -187,8 +188,20 @@ def time_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> float:
         for i in range(reps):
             fn(case.caches[i % len(case.caches)])
     torch.cuda.synchronize()
+    return graph
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> float:
+    """Median microseconds of one call, from replays of a graph of ``reps`` calls."""
+    import triton.testing
+
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
     return ms * 1e3 / reps
+
+
+def time_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> float:
+    """Median microseconds of one call, from graph replays of ``reps`` calls."""
+    return time_replays(capture_graph(fn, case, reps), reps)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -262,6 +275,41 @@ def bench_shape(shape: tuple, idx: int, device, writer, pass_no: int, summary: l
     best = min(peers.items(), key=lambda kv: kv[1]) if peers else (None, None)
     summary.append((pass_no, case.name, times, plugin, best, nbytes))
     del case
+    torch.cuda.empty_cache()
+
+
+PAIRED_FIELDS = ["set", "shape", "heads", "batch", "ctx", "lens", "q_len", "round",
+                 "plugin_route", "plugin_us", "peer_us", "identical_output"]
+
+
+def bench_paired(shape: tuple, idx: int, device, writer, rounds: int, label: str,
+                 summary: list) -> None:
+    """The plugin's dispatch (as vLLM calls it) and vLLM's FLASHMLA FP8 call on one FP8
+    shape, each captured once and then timed alternately ``rounds`` times (A B A B ...).
+
+    Why: both run FlashMLA's dense FP8 kernel; timed one after the other, a 2-4% clock or
+    thermal drift between the two timings reads as a gap on small shapes. Alternating and
+    taking each side's median leaves the kernels' own difference. ``identical_output``:
+    the two outputs compared bit for bit (the same kernel on the same inputs)."""
+    case = make_case(shape, seed=idx, device=device)
+    plugin = decoder_kernel("plugin", case, None, engine_query=True)
+    peer = flashmla_fp8_peer(case)
+    if plugin.absent or peer.absent:
+        raise RuntimeError(f"{case.name}: {plugin.absent or peer.absent}")
+    identical = torch.equal(plugin.call(case.caches[0]), peer.call(case.caches[0]))
+    graphs = [capture_graph(plugin.call, case), capture_graph(peer.call, case)]
+    heads, b, ctx, kind, m, _kvd, _block = shape
+    times: list[list[float]] = [[], []]
+    for rnd in range(rounds):
+        for side in (0, 1) if rnd % 2 == 0 else (1, 0):
+            times[side].append(time_replays(graphs[side]))
+        writer.writerow(dict(set=label, shape=case.name, heads=heads, batch=b, ctx=ctx,
+                             lens=kind, q_len=m, round=rnd, plugin_route=plugin.obj.route.name,
+                             plugin_us=f"{times[0][-1]:.3f}", peer_us=f"{times[1][-1]:.3f}",
+                             identical_output=identical))
+    med = [sorted(t)[len(t) // 2] for t in times]
+    summary.append((label, case.name, med[0], med[1], identical))
+    del graphs, case
     torch.cuda.empty_cache()
 
 
@@ -434,6 +482,10 @@ def main() -> None:
     ap.add_argument("--train-seed", type=int, default=101)
     ap.add_argument("--kv", choices=("both", BF, F8), default="both",
                     help="cache dtypes of the random sets")
+    ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                    help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
+                         "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "
+                         "(paired.csv)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
@@ -458,6 +510,9 @@ def main() -> None:
             writer.writeheader()
             sweep_triton(device, writer)
         print(f"sweep total {time.time() - t_start:.0f} s")
+        return
+    if args.paired:
+        paired_fp8(args, device, t_start)
         return
     fields = ["pass_no", "shape", "heads", "batch", "ctx", "lens", "q_len", "kv", "block",
               "kv_tokens", "max_len", "spread", "bytes", "flops", "kernel", "status", "us",
@@ -517,6 +572,41 @@ def main() -> None:
         print(f"{pass_no:4} {name:32} {plugin or float('nan'):9.1f} {pct:6.1f} "
               f"{peer!s:>24} {peer_us or float('nan'):8.1f} {ratio:6.2f}")
     print(f"total {time.time() - t_start:.0f} s; pid {os.getpid()}")
+
+
+def paired_fp8(args, device, t_start: float) -> None:
+    """``--paired``: FP8 grid shapes (``--shapes``) and FP8 random shapes, plugin against
+    FLASHMLA FP8 timed alternately; prints each set's worst and geometric-mean ratio."""
+    sets = []
+    if args.shapes:
+        grid = [FULL[int(i)] for i in args.shapes.split(",")]
+        sets.append(("grid", [(FULL.index(x), x) for x in grid if x[5] == F8]))
+    for s in (args.random.split(",") if args.random else []):
+        drawn = random_shapes(int(s), args.random_count)
+        sets.append((f"random-{s}", [(1000 * int(s) + i, x) for i, x in enumerate(drawn)
+                                     if x[5] == F8]))
+    summary: list = []
+    with open(args.out / "paired.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=PAIRED_FIELDS)
+        writer.writeheader()
+        for label, shapes in sets:
+            for idx, shape in shapes:
+                bench_paired(shape, idx, device, writer, args.paired, label, summary)
+                f.flush()
+            print(f"[{time.time() - t_start:.0f}s] {label}: {len(shapes)} shapes done",
+                  flush=True)
+    print(f"\n{'set':10} {'shape':32} {'plugin us':>9} {'peer us':>8} {'peer/plugin':>11} "
+          "identical")
+    for label, name, ours, theirs, identical in summary:
+        print(f"{label:10} {name:32} {ours:9.2f} {theirs:8.2f} {theirs / ours:11.3f} "
+              f"{identical}")
+    for label in dict.fromkeys(r[0] for r in summary):
+        ratios = [r[3] / r[2] for r in summary if r[0] == label]
+        geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        print(f"{label}: {len(ratios)} shapes, peer/plugin worst {min(ratios):.3f}, "
+              f"geomean {geo:.3f}, outputs identical "
+              f"{sum(r[4] for r in summary if r[0] == label)}/{len(ratios)}")
+    print(f"total {time.time() - t_start:.0f} s")
 
 
 if __name__ == "__main__":

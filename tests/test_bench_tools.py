@@ -1,6 +1,6 @@
-"""The engine benchmarks' bookkeeping, on the CPU: the decode-step summary of a profiler
-trace (``profile_engine_step.summarize``) and the per-round backend order of
-``bench_engine``."""
+"""The benchmarks' bookkeeping, on the CPU: the decode-step summary of a profiler trace
+(``profile_engine_step.summarize``), the per-round backend order of ``bench_engine`` and the
+alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import bench_decode
 import bench_engine
 import profile_engine_step
+import torch
 from profile_engine_step import STEP_SCOPE, summarize
 
 
@@ -78,3 +80,40 @@ def test_backend_order_rotates_per_round():
     firsts = [bench_engine.rotated(names, r)[0] for r in range(3)]
     assert sorted(firsts) == sorted(names)
     assert all(sorted(bench_engine.rotated(names, r)) == sorted(names) for r in range(5))
+
+
+class _FakeKernel:
+    def __init__(self, value: float, route: str = "flashmla-fp8") -> None:
+        self.absent = None
+        self.value = value
+        self.obj = type("Decoder", (), {"route": type("Route", (), {"name": route})})()
+
+    def call(self, cache) -> torch.Tensor:
+        return torch.full((2, 3), self.value)
+
+
+def test_paired_timing_alternates_and_keeps_each_sides_median(monkeypatch, tmp_path):
+    """Plugin (side 0) and peer (side 1) are timed A B, B A, A B ...; each side's median
+    is kept; the outputs are compared bit for bit."""
+    order = []
+    plugin_times = iter([10.0, 30.0, 11.0])  # median 11
+    peer_times = iter([12.0, 12.5, 99.0])  # median 12.5
+    monkeypatch.setattr(bench_decode, "make_case",
+                        lambda shape, seed, device: type("C", (), {"name": "x", "caches": [0]}))
+    monkeypatch.setattr(bench_decode, "decoder_kernel", lambda *a, **k: _FakeKernel(1.0))
+    monkeypatch.setattr(bench_decode, "flashmla_fp8_peer", lambda case: _FakeKernel(2.0))
+    monkeypatch.setattr(bench_decode, "capture_graph", lambda fn, case: fn)
+
+    def time_replays(graph):
+        side = 0 if graph.__self__.value == 1.0 else 1
+        order.append(side)
+        return next(plugin_times if side == 0 else peer_times)
+
+    monkeypatch.setattr(bench_decode, "time_replays", time_replays)
+    summary = []
+    with open(tmp_path / "p.csv", "w", newline="") as f:
+        writer = bench_decode.csv.DictWriter(f, fieldnames=bench_decode.PAIRED_FIELDS)
+        bench_decode.bench_paired((16, 4, 4096, "u", 1, "fp8", 64), 0, "cpu", writer, 3,
+                                  "grid", summary)
+    assert order == [0, 1, 1, 0, 0, 1]
+    assert summary == [("grid", "x", 11.0, 12.5, False)]  # 1.0 vs 2.0 outputs differ

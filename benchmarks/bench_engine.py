@@ -17,6 +17,11 @@ of a bench ran its host code up to 1.9x slower than later ones on the same machi
 profile: every CUDA driver call and vLLM's own scheduler and sampler alike; runs 24 and 27:
 the first backend of the order was the slowest at b32 whichever it was).
 
+``--paired`` (two backends): per round one process holds both engines at once (each with
+45% of GPU memory, the creation order rotated per round) and times them alternately, A B
+then B A per repeat, so that a drift of the machine's state over minutes falls on both;
+runs 31-32 saw one backend's step move by up to 33% between its own separate starts.
+
 A backend ``TRTLLM_MLA@ROUTE`` runs the plugin with its decode route forced
 (``TRTLLM_MLA_DECODE_ROUTE=ROUTE``), e.g. ``TRTLLM_MLA@flashinfer-fa3``.
 
@@ -124,7 +129,8 @@ def timed_generate(llm, prompts: list, n: int) -> float:
     return dt
 
 
-def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture: list[int]):
+def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture: list[int],
+             gpu_memory: float = 0.6):
     """The engine every run of this file times: CUDA graphs for decode batches of the sizes
     in ``capture``, no torch.compile, block 64, prefix caching."""
     from vllm import LLM
@@ -133,7 +139,7 @@ def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture:
         model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
         attention_backend=backend, kv_cache_dtype=args.kv, block_size=64,
         max_model_len=args.max_prompt + args.output_len + 8, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=True, gpu_memory_utilization=0.6,
+        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory,
         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                             "cudagraph_capture_sizes": sorted(set(capture))},
     )
@@ -158,36 +164,66 @@ def set_route(backend_arg: str) -> tuple[str, str]:
     return backend, route
 
 
+def step_row(args: argparse.Namespace, backend: str, batch: int, short_s: float,
+             dt: float) -> dict:
+    """One (backend, batch) row from the fastest ``1 + S`` and ``1 + N`` generate times."""
+    step = (dt - short_s) / (args.output_len - args.short_len)
+    return dict(heads=args.heads, kv=args.kv, backend=backend, batch=batch,
+                output_len=args.output_len, decode_s=f"{dt:.4f}",
+                tokens_per_s=f"{batch * args.output_len / dt:.0f}",
+                tpot_ms=f"{dt / args.output_len * 1e3:.3f}", short_len=args.short_len,
+                short_s=f"{short_s:.4f}", step_ms=f"{step * 1e3:.3f}",
+                decode_tokens_per_s=f"{batch / step:.0f}", status="ok")
+
+
+def alternating(names: list[str], repeats: int) -> list[list[str]]:
+    """Timing order per repeat for engines timed side by side: A B, B A, A B, ..."""
+    return [names if r % 2 == 0 else names[::-1] for r in range(repeats)]
+
+
 def worker(args: argparse.Namespace) -> None:
-    """One engine: every batch size for one (heads, kv, backend)."""
+    """One engine: every batch size for one (heads, kv, backend); with ``--paired``, two
+    engines in this process (``--backend A,B``) timed alternately."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    backend, route = set_route(args.backend)
     from vllm import SamplingParams
 
+    from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
+
+    names = args.backend.split(",")
     batches = [int(b) for b in args.batches.split(",")]
-    llm = make_llm(args, backend, max(batches), batches)
+    outside_route = os.environ.get(ROUTE_ENV_VAR)
+    llms = {}
+    for name in names:
+        # Each engine process inherits the environment at its start: one engine's forced
+        # route must not reach the next.
+        if outside_route is None:
+            os.environ.pop(ROUTE_ENV_VAR, None)
+        else:
+            os.environ[ROUTE_ENV_VAR] = outside_route
+        backend, _ = set_route(name)
+        llms[name] = make_llm(args, backend, max(batches), batches,
+                              gpu_memory=0.45 if len(names) > 1 else 0.6)
     rows = []
     for b in batches:
         prompts = make_prompts(args, b)
-        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
-                     use_tqdm=False)
+        for llm in llms.values():
+            llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0),
+                         use_tqdm=False)
         # Fastest of --repeats runs each: the difference below amplifies one-off stalls.
-        short_s = min(timed_generate(llm, prompts, args.short_len) for _ in range(args.repeats))
-        dt = min(timed_generate(llm, prompts, args.output_len) for _ in range(args.repeats))
-        step = (dt - short_s) / (args.output_len - args.short_len)
-        rows.append(dict(heads=args.heads, kv=args.kv, backend=args.backend, batch=b,
-                         output_len=args.output_len, decode_s=f"{dt:.4f}",
-                         tokens_per_s=f"{b * args.output_len / dt:.0f}",
-                         tpot_ms=f"{dt / args.output_len * 1e3:.3f}",
-                         short_len=args.short_len, short_s=f"{short_s:.4f}",
-                         step_ms=f"{step * 1e3:.3f}", decode_tokens_per_s=f"{b / step:.0f}",
-                         status="ok"))
-    del llm
-    if backend == "TRTLLM_MLA":
-        import torch
+        short = {n: [] for n in names}
+        full = {n: [] for n in names}
+        for order in alternating(names, args.repeats):
+            for n in order:
+                short[n].append(timed_generate(llms[n], prompts, args.short_len))
+                full[n].append(timed_generate(llms[n], prompts, args.output_len))
+        rows += [step_row(args, n, b, min(short[n]), min(full[n])) for n in names]
+    del llms
+    import torch
 
-        torch.cuda.empty_cache()
-        for row in rows:
+    torch.cuda.empty_cache()
+    for row in rows:
+        backend, _, route = row["backend"].partition("@")
+        if backend == "TRTLLM_MLA":
             lens = prompt_lens(int(row["batch"]), args.min_prompt, args.max_prompt, args.seed)
             lens = [n + args.output_len // 2 for n in lens]
             served_by, us = attention_layer_us(args.heads, args.kv, lens, route or None)
@@ -209,7 +245,7 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, backend: str,
                 rnd: int) -> list[dict]:
     """Start one engine in its own process; its rows, or one row saying why it failed."""
-    tag = f"{heads}-{kv}-{backend.replace('@', '-')}-r{rnd}"
+    tag = f"{heads}-{kv}-{backend.replace('@', '-').replace(',', '+')}-r{rnd}"
     result = args.out / f"r-{tag}.json"
     cmd = [sys.executable, __file__, "--worker", "--model", str(model),
            "--heads", str(heads), "--kv", kv, "--backend", backend,
@@ -252,6 +288,13 @@ def build_model(out: Path, heads: int, layers: int, max_len: int) -> Path:
         vocab_size=1024, dtype="bfloat16", max_position_embeddings=max_len + 64)
 
 
+def round_engines(backends: list[str], rnd: int, paired: bool) -> list[str]:
+    """The engine processes of round ``rnd``, in start order: one per backend, or with
+    ``paired`` one holding all backends (``"A,B"``, creation order rotated)."""
+    order = rotated(backends, rnd)
+    return [",".join(order)] if paired else order
+
+
 def rotated(backends: list[str], rnd: int) -> list[str]:
     """The backend order of round ``rnd``: shifted by one per round, so that no backend is
     always started first (runs 24, 26-28: the first engine after a machine's previous work
@@ -273,14 +316,20 @@ def main() -> None:
     ap.add_argument("--short-len", type=int, default=8,
                     help="decode steps of the shorter run the step time is differenced against")
     add_shared_args(ap)
-    ap.add_argument("--timeout", type=int, default=300, help="seconds per engine")
+    ap.add_argument("--timeout", type=int, default=300,
+                    help="seconds per engine process (with --paired: two engines)")
     ap.add_argument("--warmup-engine", action=argparse.BooleanOptionalAction, default=True,
                     help="start one engine (the first backend) before the measured ones and "
                          "discard it (default on)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="start every engine this many times, backends interleaved per round; "
                          "the table reports each point's median over rounds")
+    ap.add_argument("--paired", action="store_true",
+                    help="two backends: both engines in one process per round, timed "
+                         "alternately")
     args = ap.parse_args()
+    if args.paired and len(args.backends.split(",")) != 2:
+        ap.error("--paired times exactly two backends side by side")
     if args.worker:
         args.heads = int(args.heads)
         worker(args)
@@ -298,7 +347,7 @@ def main() -> None:
             print(f"[{time.time() - t0:.0f}s] h{heads} warm-up engine ({first}, discarded): "
                   f"{warm[-1].get('status', '')[:100]}", flush=True)
         order = [(kv, r, backend) for kv in args.kv.split(",") for r in range(args.rounds)
-                 for backend in rotated(args.backends.split(","), r)]
+                 for backend in round_engines(args.backends.split(","), r, args.paired)]
         for kv, rnd, backend in order:
             t0 = time.time()
             rows += engine_rows(args, model, heads, kv, backend, rnd)

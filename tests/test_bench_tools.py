@@ -4,6 +4,7 @@ alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -117,3 +118,69 @@ def test_paired_timing_alternates_and_keeps_each_sides_median(monkeypatch, tmp_p
                                   "grid", summary)
     assert order == [0, 1, 1, 0, 0, 1]
     assert summary == [("grid", "x", 11.0, 12.5, False)]  # 1.0 vs 2.0 outputs differ
+
+
+def test_paired_engines_share_a_process_per_round_and_alternate():
+    names = ["TRTLLM_MLA", "FLASHMLA"]
+    assert bench_engine.round_engines(names, 0, paired=True) == ["TRTLLM_MLA,FLASHMLA"]
+    assert bench_engine.round_engines(names, 1, paired=True) == ["FLASHMLA,TRTLLM_MLA"]
+    assert bench_engine.round_engines(names, 1, paired=False) == ["FLASHMLA", "TRTLLM_MLA"]
+    assert bench_engine.alternating(names, 3) == [names, names[::-1], names]
+
+
+def test_step_row_differences_the_two_generate_lengths():
+    args = type("A", (), {"heads": 16, "kv": "fp8", "output_len": 336, "short_len": 16})()
+    row = bench_engine.step_row(args, "FLASHMLA", 128, short_s=0.5, dt=3.7)
+    assert row["step_ms"] == "10.000"  # (3.7 - 0.5) s / 320 steps
+    assert row["decode_tokens_per_s"] == "12800"
+    assert row["backend"] == "FLASHMLA" and row["status"] == "ok"
+
+
+class _FakeLLM:
+    """Stands in for ``vllm.LLM`` in the worker: records when it is timed, generates the
+    requested number of tokens, and remembers the decode route it was started with."""
+
+    def __init__(self, name: str, calls: list, route: str | None) -> None:
+        self.name, self.calls, self.route = name, calls, route
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.calls.append((self.name, params.max_tokens))
+        out = type("O", (), {"token_ids": [0] * params.max_tokens})()
+        return [type("R", (), {"outputs": [out]})() for _ in prompts]
+
+
+def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
+    """``--backend A,B``: both engines live in one process, each started with only its own
+    forced route, timed A B then B A; one row per engine and batch."""
+    pytest.importorskip("vllm")
+    import os
+
+    from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
+
+    calls, started = [], []
+
+    def make_llm(args, backend, max_num_seqs, capture, gpu_memory=0.6):
+        started.append((backend, os.environ.get(ROUTE_ENV_VAR), gpu_memory))
+        return _FakeLLM(backend, calls, os.environ.get(ROUTE_ENV_VAR))
+
+    monkeypatch.delenv(ROUTE_ENV_VAR, raising=False)
+    monkeypatch.setattr(bench_engine, "make_llm", make_llm)
+    monkeypatch.setattr(bench_engine, "attention_layer_us", lambda *a: ("flashmla", 10.0))
+
+    def stop(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", stop)
+    args = type("A", (), dict(
+        backend="TRTLLM_MLA@flashmla,FLASHMLA", batches="2", heads=16, kv="auto",
+        output_len=6, short_len=2, repeats=2, min_prompt=4, max_prompt=8, seed=0, layers=2,
+        result=str(tmp_path / "r.json")))()
+    with pytest.raises(SystemExit):
+        bench_engine.worker(args)
+    assert started == [("TRTLLM_MLA", "flashmla", 0.45), ("FLASHMLA", None, 0.45)]
+    timed = [c for c in calls if c[1] > 1]  # after the one-token prefills
+    assert [name for name, _ in timed] == ["TRTLLM_MLA", "TRTLLM_MLA", "FLASHMLA", "FLASHMLA",
+                                           "FLASHMLA", "FLASHMLA", "TRTLLM_MLA", "TRTLLM_MLA"]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [r["backend"] for r in rows] == ["TRTLLM_MLA@flashmla", "FLASHMLA"]
+    assert rows[0]["route"] == "flashmla" and "route" not in rows[1]

@@ -137,14 +137,15 @@ def test_step_row_differences_the_two_generate_lengths():
 
 
 class _FakeLLM:
-    """Stands in for ``vllm.LLM`` in the worker: records when it is timed, generates the
-    requested number of tokens, and remembers the decode route it was started with."""
+    """Stands in for ``vllm.LLM`` in the worker: records when it is timed and generates the
+    requested number of tokens, advancing ``clock`` by 1 ms per token."""
 
-    def __init__(self, name: str, calls: list, route: str | None) -> None:
-        self.name, self.calls, self.route = name, calls, route
+    def __init__(self, name: str, calls: list, clock: list) -> None:
+        self.name, self.calls, self.clock = name, calls, clock
 
     def generate(self, prompts, params, use_tqdm=False):
         self.calls.append((self.name, params.max_tokens))
+        self.clock[0] += 1e-3 * params.max_tokens
         out = type("O", (), {"token_ids": [0] * params.max_tokens})()
         return [type("R", (), {"outputs": [out]})() for _ in prompts]
 
@@ -157,11 +158,13 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
 
     from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
 
-    calls, started = [], []
+    calls, started, clock = [], [], [0.0]
 
     def make_llm(args, backend, max_num_seqs, capture, gpu_memory=0.6):
         started.append((backend, os.environ.get(ROUTE_ENV_VAR), gpu_memory))
-        return _FakeLLM(backend, calls, os.environ.get(ROUTE_ENV_VAR))
+        return _FakeLLM(backend, calls, clock)
+
+    monkeypatch.setattr(bench_engine.time, "perf_counter", lambda: clock[0])
 
     monkeypatch.delenv(ROUTE_ENV_VAR, raising=False)
     monkeypatch.setattr(bench_engine, "make_llm", make_llm)
@@ -184,3 +187,4 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
     rows = json.loads((tmp_path / "r.json").read_text())
     assert [r["backend"] for r in rows] == ["TRTLLM_MLA@flashmla", "FLASHMLA"]
     assert rows[0]["route"] == "flashmla" and "route" not in rows[1]
+    assert [r["step_ms"] for r in rows] == ["1.000", "1.000"]  # 1 ms per generated token

@@ -131,6 +131,16 @@ def random_shapes(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8)) -
     return shapes
 
 
+def random_set(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8),
+               keep: str = "both") -> list[tuple[int, tuple]]:
+    """``(case seed, shape)`` of random set ``seed`` whose cache dtype ``keep`` admits
+    (``"both"``, ``BF`` or ``F8``). The case seed (lengths and values of ``make_case``) is
+    ``1000 * seed`` + the shape's place in the draw, the same in every run and mode."""
+    return [(1000 * seed + i, shape)
+            for i, shape in enumerate(random_shapes(seed, count, kv_kinds))
+            if keep in ("both", shape[5])]
+
+
 def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
     heads, b, ctx, kind, m, kvd, block = shape
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -535,26 +545,21 @@ def main() -> None:
                 for shape in QUICK:
                     bench_shape(shape, FULL.index(shape), device, writer, 2, summary)
                     f.flush()
-    sets = []
-    if args.random:
-        for s in args.random.split(","):
-            drawn = random_shapes(int(s), args.random_count)
-            kept = [x for x in drawn if args.kv in ("both", x[5])]
-            sets.append((f"random-{s}", int(s), kept, "random", [drawn.index(x) for x in kept]))
+    sets = [(f"random-{s}", random_set(int(s), args.random_count, keep=args.kv), "random")
+            for s in (args.random.split(",") if args.random else [])]
     if args.train:
-        drawn = random_shapes(args.train_seed, args.train, (BF,))
-        sets.append((f"train-{args.train_seed}", args.train_seed, drawn, "train",
-                     list(range(len(drawn)))))
-    for label, set_seed, set_shapes, mode, indices in sets:
+        sets.append((f"train-{args.train_seed}",
+                     random_set(args.train_seed, args.train, (BF,)), "train"))
+    for label, seeded_shapes, mode in sets:
         with open(args.out / f"{label}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
-            for i, shape in zip(indices, set_shapes, strict=True):
-                bench_shape(shape, 1000 * set_seed + i, device, writer, 1,
+            for case_seed, shape in seeded_shapes:
+                bench_shape(shape, case_seed, device, writer, 1,
                             summary if mode == "random" else [], mode, shapes_log)
                 f.flush()
                 shapes_log.flush()
-            print(f"[{time.time() - t_start:.0f}s] {label}: {len(set_shapes)} shapes done",
+            print(f"[{time.time() - t_start:.0f}s] {label}: {len(seeded_shapes)} shapes done",
                   flush=True)
     shapes_log.close()
     if args.host:
@@ -581,10 +586,8 @@ def paired_fp8(args, device, t_start: float) -> None:
     if args.shapes:
         grid = [FULL[int(i)] for i in args.shapes.split(",")]
         sets.append(("grid", [(FULL.index(x), x) for x in grid if x[5] == F8]))
-    for s in (args.random.split(",") if args.random else []):
-        drawn = random_shapes(int(s), args.random_count)
-        sets.append((f"random-{s}", [(1000 * int(s) + i, x) for i, x in enumerate(drawn)
-                                     if x[5] == F8]))
+    sets += [(f"random-{s}", random_set(int(s), args.random_count, keep=F8))
+             for s in (args.random.split(",") if args.random else [])]
     summary: list = []
     with open(args.out / "paired.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=PAIRED_FIELDS)

@@ -232,10 +232,13 @@ def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
     """Kernels timed per shape. ``grid``: everything, levers included; ``random``: the
     plugin and every peer but vLLM's Triton MLA (2-10x slower than the best peer on every
     grid shape; its per-shape JIT would not fit the device budget); ``train``: the routes
-    the bf16 policy picks between."""
+    the bf16 policy picks between; ``graph`` (bf16): the CUDA-graph decoder, the two routes
+    it branches between and vLLM's own calls of those two kernels."""
     ks = plugin_kernels(case, mode)
     if mode == "train":
         return ks
+    if mode == "graph":
+        return [*ks, flashmla_peer(case), vllm_fa3_mla_peer(case)]
     if case.spec.fp8_kv:
         ks.append(flashmla_fp8_peer(case))
     else:
@@ -492,6 +495,9 @@ def main() -> None:
     ap.add_argument("--train-seed", type=int, default=101)
     ap.add_argument("--kv", choices=("both", BF, F8), default="both",
                     help="cache dtypes of the random sets")
+    ap.add_argument("--graph-only", action="store_true",
+                    help="random sets, bf16 shapes: only the CUDA-graph decoder, the routes "
+                         "it branches between and vLLM's calls of those kernels")
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
                          "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "
@@ -545,7 +551,10 @@ def main() -> None:
                 for shape in QUICK:
                     bench_shape(shape, FULL.index(shape), device, writer, 2, summary)
                     f.flush()
-    sets = [(f"random-{s}", random_set(int(s), args.random_count, keep=args.kv), "random")
+    if args.graph_only:
+        args.kv = BF
+    sets = [(f"random-{s}", random_set(int(s), args.random_count, keep=args.kv),
+             "graph" if args.graph_only else "random")
             for s in (args.random.split(",") if args.random else [])]
     if args.train:
         sets.append((f"train-{args.train_seed}",
@@ -556,7 +565,7 @@ def main() -> None:
             writer.writeheader()
             for case_seed, shape in seeded_shapes:
                 bench_shape(shape, case_seed, device, writer, 1,
-                            summary if mode == "random" else [], mode, shapes_log)
+                            summary if mode != "train" else [], mode, shapes_log)
                 f.flush()
                 shapes_log.flush()
             print(f"[{time.time() - t_start:.0f}s] {label}: {len(seeded_shapes)} shapes done",

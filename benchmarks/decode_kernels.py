@@ -94,12 +94,23 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
     sorting off, which is FlashInfer's wrapper as any caller would use it; FP8 caches: the
     routes with a bf16 query too, the bf16-query accuracy option). ``train``: just the
     routes the bf16 policy chooses between; ``random``: FP8 caches without the slower
-    bf16-query levers."""
+    bf16-query levers; ``graph`` (bf16): the CUDA-graph decoder and the two routes it
+    branches between, no FlashInfer."""
     fp8 = case.spec.fp8_kv
     ks = []
-    if mode != "train":
+    if mode not in ("train", "graph"):
         ks.append(decoder_kernel("plugin", case, None, engine_query=True))
         ks[0].name = f"plugin[{ks[0].obj.route.name}]"
+    if mode != "train" and not fp8:
+        # The engine's default: a CUDA-graph decoder (with conditional nodes where torch has
+        # them, both graph branches captured and the rule's pick run).
+        graph = decoder_kernel("plugin-graph", case, None, engine_query=True, cuda_graph=True)
+        graph.name = f"plugin-graph[{graph.obj.route.name}]"
+        ks.append(graph)
+    if mode == "graph":
+        ks.append(decoder_kernel("flashmla", case, "flashmla", engine_query=True))
+        ks.append(decoder_kernel("vllm-fa3-mla", case, "vllm-fa3-mla", cuda_graph=True))
+        return ks
     if not (fp8 and mode == "random"):
         ks.append(decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))
     ks.append(decoder_kernel("peer:flashinfer-fa3", case, "flashinfer-fa3", sort=False))

@@ -1,13 +1,17 @@
 """How the *current* SM90 policy does on measured shapes, without a GPU.
 
-``python benchmarks/evaluate_policy.py [--graph] [--vs PEER] shapes.jsonl FILE.csv ...``
-reads bench_decode.py output (every route of the policy timed forced on every shape, and
-every peer), picks for each bf16 shape the route ``ops.policy`` ranks first (per batch,
-lengths known, as an eager decoder does; ``--graph``: batch size and query length only, as
-a CUDA-graph decoder does) and prints its time over the best peer's (``--vs PEER``: over
-that peer's, e.g. ``peer:vllm-fa3-mla``, vLLM's default SM90 kernel for bf16 caches): per
-file the worst and the geometric-mean ratio (> 1: the plugin is faster) and the shapes under
-0.95. FP8 shapes report the plugin's own dispatched time (``plugin[...]`` rows).
+``python benchmarks/evaluate_policy.py [--graph | --branches | --measured] [--vs PEER]
+shapes.jsonl FILE.csv ...`` reads bench_decode.py output (every route of the policy timed
+forced on every shape, and every peer) and, for each bf16 shape, takes the route
+``ops.policy`` ranks first: per batch with lengths known, as an eager decoder does;
+``--graph``: from batch size and query length only, as a CUDA-graph decoder without
+conditional nodes does; ``--branches``: ``policy.graph_branch``'s pick, as a CUDA-graph
+decoder with conditional nodes does; ``--measured``: no replay, the ``plugin-graph[...]``
+rows the bench timed (that decoder itself, conditional nodes included). It prints that
+time over the best peer's (``--vs PEER``: over that peer's, e.g. ``peer:vllm-fa3-mla``,
+vLLM's default SM90 kernel for bf16 caches): per file the worst and the geometric-mean
+ratio (> 1: the plugin is faster) and the shapes under 0.95. FP8 shapes report the
+plugin's own dispatched time (``plugin[...]`` rows).
 
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
@@ -32,12 +36,19 @@ ROUTE_ROWS = {"flashinfer-fa3": "peer:flashinfer-fa3", "flashmla": "flashmla",
               "vllm-fa3-mla": "vllm-fa3-mla"}
 
 
-def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
-    """Row name of the kernel the current policy runs for this bf16 shape: the first route
-    of ``policy.rank`` that this bench timed and that can serve the page size."""
+RULES = ("eager", "graph", "branches", "measured")
+
+
+def policy_row(r: dict, lens: list[int], rule: str = "eager") -> str:
+    """Row name of the kernel the current policy runs for this bf16 shape under ``rule``
+    (one of ``RULES``): the first route of ``policy.rank`` that this bench timed and that
+    can serve the page size, or ``policy.graph_branch``'s pick."""
     heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
-    shape = (policy.BatchShape(b, q) if graph
+    if rule == "branches" and r["block"] == "64":
+        return ROUTE_ROWS[policy.graph_branch(spec, policy.BatchShape(b, q, max(lens),
+                                                                       sum(lens)))]
+    shape = (policy.BatchShape(b, q) if rule != "eager"
              else policy.BatchShape(b, q, max(lens), sum(lens)))
     name = next(n for n in policy.rank(spec, H200, shape)
                 if n in ROUTE_ROWS and (n != "flashmla" or r["block"] == "64"))
@@ -46,7 +57,7 @@ def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
     return ROUTE_ROWS[name]
 
 
-def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
+def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
            vs: str | None = None) -> list[tuple[float, str, str]]:
     by: dict[str, dict[str, dict]] = defaultdict(dict)
     with open(path, newline="") as f:
@@ -66,8 +77,10 @@ def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
         any_row = next(iter(ks.values()))
         if any_row["kv"] == "fp8":
             name = next((n for n in ks if n.startswith("plugin")), None)
+        elif rule == "measured":
+            name = next((n for n in ks if n.startswith("plugin-graph")), None)
         else:
-            name = policy_row(any_row, lens[shape], graph)
+            name = policy_row(any_row, lens[shape], rule)
         if name is None or name not in ks:
             continue
         out.append((min(peers.values()) / float(ks[name]["us"]), shape, name))
@@ -76,9 +89,11 @@ def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
 
 def main(*argv: str) -> None:
     args = list(argv)
-    graph = "--graph" in args
-    if graph:
-        args.remove("--graph")
+    rule = "eager"
+    for flag in ("--graph", "--branches", "--measured"):
+        if flag in args:
+            args.remove(flag)
+            rule = flag[2:]
     vs = None
     if "--vs" in args:
         i = args.index("--vs")
@@ -91,7 +106,7 @@ def main(*argv: str) -> None:
             d = json.loads(line)
             lens[d["shape"]] = d["lens"]
     for path in paths:
-        rs = ratios(path, lens, graph, vs)
+        rs = ratios(path, lens, rule, vs)
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:

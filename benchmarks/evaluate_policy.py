@@ -1,17 +1,15 @@
 """How the *current* SM90 policy does on measured shapes, without a GPU.
 
-``python benchmarks/evaluate_policy.py [--graph | --branches | --measured] [--vs PEER]
-shapes.jsonl FILE.csv ...`` reads bench_decode.py output (every route of the policy timed
-forced on every shape, and every peer) and, for each bf16 shape, takes the route
-``ops.policy`` ranks first: per batch with lengths known, as an eager decoder does;
-``--graph``: from batch size and query length only, as a CUDA-graph decoder without
-conditional nodes does; ``--branches``: ``policy.graph_branch``'s pick, as a CUDA-graph
-decoder with conditional nodes does; ``--measured``: no replay, the ``plugin-graph[...]``
-rows the bench timed (that decoder itself, conditional nodes included). It prints that
+``python benchmarks/evaluate_policy.py [--graph | --measured] [--vs PEER] shapes.jsonl
+FILE.csv ...`` reads bench_decode.py output (every route of the policy timed forced on
+every shape, and every peer), picks for each bf16 shape the route ``ops.policy`` ranks
+first (per batch, lengths known, as an eager decoder does; ``--graph``: batch size and
+query length only, as a CUDA-graph decoder does; ``--measured``: no replay, the
+``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself) and prints its
 time over the best peer's (``--vs PEER``: over that peer's, e.g. ``peer:vllm-fa3-mla``,
 vLLM's default SM90 kernel for bf16 caches): per file the worst and the geometric-mean
-ratio (> 1: the plugin is faster) and the shapes under 0.95. FP8 shapes report the
-plugin's own dispatched time (``plugin[...]`` rows).
+ratio (> 1: the plugin is faster) and the shapes under
+0.95. FP8 shapes report the plugin's own dispatched time (``plugin[...]`` rows).
 
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
@@ -36,19 +34,12 @@ ROUTE_ROWS = {"flashinfer-fa3": "peer:flashinfer-fa3", "flashmla": "flashmla",
               "vllm-fa3-mla": "vllm-fa3-mla"}
 
 
-RULES = ("eager", "graph", "branches", "measured")
-
-
-def policy_row(r: dict, lens: list[int], rule: str = "eager") -> str:
-    """Row name of the kernel the current policy runs for this bf16 shape under ``rule``
-    (one of ``RULES``): the first route of ``policy.rank`` that this bench timed and that
-    can serve the page size, or ``policy.graph_branch``'s pick."""
+def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
+    """Row name of the kernel the current policy runs for this bf16 shape: the first route
+    of ``policy.rank`` that this bench timed and that can serve the page size."""
     heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
-    if rule == "branches" and r["block"] == "64":
-        return ROUTE_ROWS[policy.graph_branch(spec, policy.BatchShape(b, q, max(lens),
-                                                                       sum(lens)))]
-    shape = (policy.BatchShape(b, q) if rule != "eager"
+    shape = (policy.BatchShape(b, q) if graph
              else policy.BatchShape(b, q, max(lens), sum(lens)))
     name = next(n for n in policy.rank(spec, H200, shape)
                 if n in ROUTE_ROWS and (n != "flashmla" or r["block"] == "64"))
@@ -57,8 +48,8 @@ def policy_row(r: dict, lens: list[int], rule: str = "eager") -> str:
     return ROUTE_ROWS[name]
 
 
-def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
-           vs: str | None = None) -> list[tuple[float, str, str]]:
+def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
+           vs: str | None = None, measured: bool = False) -> list[tuple[float, str, str]]:
     by: dict[str, dict[str, dict]] = defaultdict(dict)
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
@@ -77,10 +68,10 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
         any_row = next(iter(ks.values()))
         if any_row["kv"] == "fp8":
             name = next((n for n in ks if n.startswith("plugin")), None)
-        elif rule == "measured":
+        elif measured:
             name = next((n for n in ks if n.startswith("plugin-graph")), None)
         else:
-            name = policy_row(any_row, lens[shape], rule)
+            name = policy_row(any_row, lens[shape], graph)
         if name is None or name not in ks:
             continue
         out.append((min(peers.values()) / float(ks[name]["us"]), shape, name))
@@ -89,11 +80,8 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
 
 def main(*argv: str) -> None:
     args = list(argv)
-    rule = "eager"
-    for flag in ("--graph", "--branches", "--measured"):
-        if flag in args:
-            args.remove(flag)
-            rule = flag[2:]
+    graph, measured = "--graph" in args, "--measured" in args
+    args = [a for a in args if a not in ("--graph", "--measured")]
     vs = None
     if "--vs" in args:
         i = args.index("--vs")
@@ -106,7 +94,7 @@ def main(*argv: str) -> None:
             d = json.loads(line)
             lens[d["shape"]] = d["lens"]
     for path in paths:
-        rs = ratios(path, lens, rule, vs)
+        rs = ratios(path, lens, graph, vs, measured)
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:

@@ -5,10 +5,6 @@ No GPU: routes are built with their kernel packages absent, so only the choice i
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -80,6 +76,8 @@ CASES = [
     (128, BatchShape(16, 1), "vllm-fa3-mla"),
     (16, BatchShape(8, 3), "vllm-fa3-mla"),  # several query tokens: vLLM's FA3 too ...
     (128, BatchShape(5, 4), "flashmla"),  # ... up to 2048 query rows (5 x 128 x 4 = 2560)
+    (8, BatchShape(452, 1), "vllm-fa3-mla"),  # 8 query rows per request: any batch size
+    (8, BatchShape(33, 3), "flashmla"),  # ... with one query token (24 rows: FlashMLA)
 ]
 
 
@@ -287,77 +285,3 @@ def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, 
 def test_forced_route_is_the_only_route(kernels_present, monkeypatch):
     monkeypatch.setattr(decoder_mod, "platform_of", lambda device: H200)
     assert choose_route(spec(128), H200, forced="flashmla").name == "flashmla"
-
-
-# The graph-branch rule (CUDA graphs with conditional nodes: both kernels captured, the
-# step's host-side lengths pick one); cases from run 23, where each pair was timed.
-@pytest.mark.parametrize(("heads", "b", "mean_len", "q_len", "expected"), [
-    (16, 40, 451, 1, "vllm-fa3-mla"),     # run 23: FA3 18.8 us, FlashMLA 28.7
-    (8, 146, 422, 1, "vllm-fa3-mla"),     # 43.5 vs 55.4 (the batch-size rule took FlashMLA)
-    (32, 1, 37845, 1, "vllm-fa3-mla"),    # 44.7 vs 57.7
-    (16, 36, 34519, 3, "flashmla"),       # 532.5 vs 388.5
-    (32, 23, 64996, 1, "flashmla"),       # 658.9 vs 445.8
-    (128, 57, 12477, 1, "flashmla"),      # 416.4 vs 388.3
-])
-def test_graph_branch_rule(heads, b, mean_len, q_len, expected):
-    shape = BatchShape(b, q_len, mean_len, b * mean_len)
-    assert policy.graph_branch(spec(heads, q_len=q_len), shape) == expected
-    # Without kv_tokens the rule takes max_seq_len for every request.
-    assert policy.graph_branch(spec(heads, q_len=q_len), BatchShape(b, q_len, mean_len)) \
-        == expected
-
-
-def test_graph_branches_only_for_sm90_bf16():
-    assert policy.graph_branches(spec(), H200) == ("vllm-fa3-mla", "flashmla")
-    assert policy.graph_branches(spec(kv=FP8), H200) == ()
-    assert policy.graph_branches(spec(), B200) == ()
-    with pytest.raises(ValueError, match="max_seq_len"):
-        policy.graph_branch(spec(), BatchShape(4, 1))
-
-
-def test_graph_branch_rule_on_unseen_shapes():
-    """The rule against vLLM's own kernel on run 23's committed timings: seeds 3-4 were not
-    used to fit GRAPH_FA3_MODEL. It must stay within 3.5% of vLLM's FA3 MLA kernel on every
-    shape (the batch-size rule it replaces lost up to 22% there, 34% on seed 1)."""
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "benchmarks"))
-    import evaluate_policy as evaluate
-
-    data = root / "docs" / "bench-2026-11-30"
-    lines = (data / "run23-shapes.jsonl").read_text().splitlines()
-    lens = {d["shape"]: d["lens"] for d in map(json.loads, lines)}
-    for seed in (3, 4):
-        found = evaluate.ratios(str(data / f"run23-random-{seed}.csv"), lens, "branches",
-                                "peer:vllm-fa3-mla")
-        found = [r for r in found if " bf16 " in r[1]]
-        assert len(found) >= 15
-        assert min(r[0] for r in found) >= 0.965, min(found)
-        old = evaluate.ratios(str(data / f"run23-random-{seed}.csv"), lens, "graph",
-                              "peer:vllm-fa3-mla")
-        assert min(r[0] for r in old) < 0.8  # the batch-size rule's loss this replaces
-
-
-def test_cuda_graph_decoder_with_branches_plans_both(kernels_present, monkeypatch):
-    """With conditional nodes, a CUDA-graph decoder plans both branch routes every step (a
-    capture may follow any plan) and selects the one the step's lengths call for."""
-    monkeypatch.setattr(decoder_mod, "conditional_graphs_available", lambda device: True)
-    dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True)
-    assert dec.branch_names == ("vllm-fa3-mla", "flashmla")
-    steps = (([451] * 40, "vllm-fa3-mla"), ([30 * K] * 36, "flashmla"),
-             ([422] * 146, "vllm-fa3-mla"), ([32 * K, 4 * K] * 23, "flashmla"))
-    for lens, expected in steps:
-        dec.plan(batch(lens))
-        assert dec.route.name == expected, len(lens)
-        assert dec._branches.index.item() == dec.branch_names.index(expected)
-    for name in dec.branch_names:
-        assert [b for b, _ in stubs[name].plans] == [40, 36, 146, 46]
-    assert stubs["flashinfer-fa3"].plans == []
-
-
-def test_cuda_graph_decoder_without_conditional_nodes_keeps_batch_rule(kernels_present,
-                                                                        monkeypatch):
-    monkeypatch.setattr(decoder_mod, "conditional_graphs_available", lambda device: False)
-    dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True)
-    assert dec.branch_names == ()
-    dec.plan(batch([451] * 40))
-    assert dec.route.name == "flashmla" and stubs["vllm-fa3-mla"].plans == []

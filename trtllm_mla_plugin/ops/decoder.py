@@ -9,7 +9,6 @@ import torch
 
 from ..log import get_logger
 from . import policy
-from .graph_branches import GraphBranches, conditional_graphs_available
 from .platform import Platform, platform_of
 from .routes import ROUTES, DecodeRoute
 from .spec import UNIT_SCALES, DecodeBatch, DecodeSpec, KVScales
@@ -115,17 +114,12 @@ class MLADecoder:
 
     CUDA graphs: ``run`` may be captured. A captured ``run`` replays correctly after
     ``plan`` is called again with the same batch size (new lengths and block tables) when
-    the decoder was built with ``cuda_graph=True``. Where the policy names graph branches
-    (``policy.graph_branches``: SM90 bf16, vLLM's FA3 MLA kernel and FlashMLA) and torch
-    can capture conditional nodes, a captured ``run`` holds every branch route behind an IF
-    node (``ops.graph_branches``); each ``plan`` plans all of them (a capture may follow any
-    plan) and picks the one replays run from the step's host-side lengths. Otherwise such a
-    decoder ranks routes without the batch's lengths, so the route of a batch size never
-    changes between capture and replay. FlashInfer's FA2/FA3 routes then keep one planned
-    wrapper with fixed metadata buffers per batch size (sized on the first plan of that
-    batch size: later block tables of that size must not be wider). Other routes keep fixed
-    buffers either way. Build one decoder per stream: the routes' buffers are shared by
-    every layer of a step.
+    the decoder was built with ``cuda_graph=True``. Such a decoder ranks routes without the
+    batch's lengths, so the route of a batch size never changes between capture and replay.
+    FlashInfer's FA2/FA3 routes then keep one planned wrapper with fixed metadata buffers
+    per batch size (sized on the first plan of that batch size: later block tables of that
+    size must not be wider). Other routes keep fixed buffers either way. Build one decoder
+    per stream: the routes' buffers are shared by every layer of a step.
     """
 
     def __init__(
@@ -167,22 +161,6 @@ class MLADecoder:
             )
         #: The route of the last ``plan`` (the default one before any plan).
         self.route: DecodeRoute = self.routes[default.name]
-        #: Routes captured side by side under CUDA graphs (empty: one route per capture).
-        self.branch_names: tuple[str, ...] = ()
-        self._branches: GraphBranches | None = None
-        names = tuple(n for n in policy.graph_branches(spec, self.platform) if n in self.routes)
-        if cuda_graph and len(names) > 1 and conditional_graphs_available(self.device):
-            self.branch_names = names
-            self._branches = GraphBranches(len(names), self.device)
-            self.choice = RouteChoice(
-                self.choice.name,
-                f"{self.choice.kernel}; captured CUDA graphs hold {' and '.join(names)} and "
-                "run one per step (conditional nodes, ops.policy.graph_branch)",
-                self.choice.skipped,
-            )
-        # Branch routes not yet run eagerly: a capture must not be their first launch
-        # (lazy kernel set-up), so the first eager runs run them once too.
-        self._cold_branches = set(self.branch_names)
         #: Forces length sorting on or off for routes that support it (benchmarks).
         self.sort_override: bool | None = None
         self._batch: DecodeBatch | None = None
@@ -208,22 +186,9 @@ class MLADecoder:
             )
         return shape
 
-    def branch_shape(self, batch: DecodeBatch) -> policy.BatchShape:
-        """What the graph-branch rule sees of ``batch``: host-side facts only (no device
-        read; without ``kv_tokens`` or host lengths the rule takes ``max_seq_len`` for
-        every request)."""
-        kv_tokens = batch.kv_tokens
-        if kv_tokens is None and batch.seq_lens_host is not None:
-            kv_tokens = int(batch.seq_lens_host.sum())
-        return policy.BatchShape(batch.batch_size, batch.max_q_len, batch.max_seq_len,
-                                 kv_tokens)
-
     def plan(self, batch: DecodeBatch) -> None:
         """Take this step's batch (host-side work; call outside CUDA-graph capture)."""
         check_batch(self.spec, batch, self.route.max_batch_size)
-        if self._branches is not None:
-            self._plan_branches(batch)
-            return
         shape = None
         if len(self.routes) > 1:
             shape = self.batch_shape(batch)
@@ -237,14 +202,6 @@ class MLADecoder:
                 sort = policy.fa_sort_by_length(self.spec, shape)
             self.route.sort_by_length = sort
         self.route.plan(batch)
-        self._batch = batch
-
-    def _plan_branches(self, batch: DecodeBatch) -> None:
-        name = policy.graph_branch(self.spec, self.branch_shape(batch))
-        for branch in self.branch_names:
-            self.routes[branch].plan(batch)
-        self.route = self.routes[name]
-        self._branches.select(self.branch_names.index(name))
         self._batch = batch
 
     def run(
@@ -270,34 +227,12 @@ class MLADecoder:
         if self._batch is None:
             raise RuntimeError("MLADecoder.run called before plan()")
         check_run_inputs(self.spec, self._batch, query, kv_cache, out)
-        branched = self._branches is not None and torch.cuda.is_current_stream_capturing()
-        if out is None and (branched or not self.route.own_output):
+        if out is None and not self.route.own_output:
             out = query.new_empty(
                 query.shape[0], query.shape[1], self.spec.kv_lora_rank,
                 dtype=self.output_dtype,
             )
-        if branched:
-            routes = [self.routes[n] for n in self.branch_names]
-            self._branches.capture(
-                [lambda r=r: r.run(query, kv_cache, out, scales) for r in routes]
-            )
-            return out
-        if self._cold_branches:
-            self._warm_branches(query, kv_cache, out, scales)
         return self.route.run(query, kv_cache, out, scales)
-
-    def _warm_branches(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                       out: torch.Tensor | None, scales: KVScales) -> None:
-        """Run every branch route but the planned one once (all are planned), into a
-        scratch output that is dropped."""
-        self._cold_branches.discard(self.route.name)
-        for name in sorted(self._cold_branches):
-            scratch = None if out is None else torch.empty_like(out)
-            if scratch is None and not self.routes[name].own_output:
-                scratch = query.new_empty(query.shape[0], query.shape[1],
-                                          self.spec.kv_lora_rank, dtype=self.output_dtype)
-            self.routes[name].run(query, kv_cache, scratch, scales)
-        self._cold_branches.clear()
 
     @property
     def output_dtype(self) -> torch.dtype:

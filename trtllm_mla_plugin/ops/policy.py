@@ -12,7 +12,6 @@ Everything else ranks per ``DecodeSpec`` alone.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .platform import Platform
@@ -89,17 +88,13 @@ VLLM_FA3_GRAPH_MAX_BATCH = 16
 #: shapes, seeds 1-4). Graph rule against vLLM's kernel, geomean seeds 1-2 / 3-4: 1.05 /
 #: 1.06 (one-token batches only: 1.01 / 1.01).
 VLLM_FA3_GRAPH_MAX_ROWS = 2048
-#: Under CUDA graphs with conditional nodes (``ops.graph_branches``: both kernels captured,
-#: one run per step) the step's host-side lengths pick between vLLM's FA3 MLA kernel and
-#: FlashMLA by a log-linear model of their time ratio, fitted by least squares on run 23's
-#: seeds 1-2 (40 bf16 shapes, both kernels timed on each):
-#:     ln(t_fa3 / t_flashmla) ~ c0 + c_batch ln(batch) + c_len ln(mean length)
-#:                              + c_tiles ln(64-row query tiles per request)
-#: FA3 runs where the prediction is below 0: small batches, short contexts, few query rows
-#: per request. Checked on seeds 3-4 (35 shapes it was not fitted on): worst 0.970 and
-#: geomean 1.058 against vLLM's own kernel, where the batch-size rule above scored worst
-#: 0.784 (docs/benchmarks.md, "CUDA graphs with lengths").
-GRAPH_FA3_MODEL = (-1.14, 0.102, 0.086, 0.095)
+#: Whatever the batch size, vLLM's FA3 MLA kernel also takes batches with at most this many
+#: query rows per request (heads x query tokens: Kimi-K2's 64 heads at TP8, DeepSeek-V3's
+#: 128 at TP16, one token each). Every such shape timed ran faster on it than on FlashMLA:
+#: 14 of 14 with 8 heads and one query token (1.02-1.81x, b1-b452, 0.4k-56k tokens; run 23
+#: seeds 1-4 and run 36 seed 7). Fitted on seeds 1-4 (geomean against vLLM's kernel 1.053 ->
+#: 1.063), checked on seed 7 (0.960 -> 0.983).
+VLLM_FA3_GRAPH_MAX_REQUEST_ROWS = 8
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -175,37 +170,16 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
 
 
 def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
-    """The SM90 CUDA-graph rule for small batches: vLLM's FA3 MLA kernel ahead of FlashMLA
-    for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
-    ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows."""
+    """The SM90 CUDA-graph rule: vLLM's FA3 MLA kernel ahead of FlashMLA for batches of at
+    most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows,
+    and for every batch of at most ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request."""
     if shape is None or shape.max_seq_len is not None:
         return False
-    rows = shape.batch_size * spec.num_heads * shape.max_q_len
+    request_rows = spec.num_heads * shape.max_q_len
+    if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
+        return True
+    rows = shape.batch_size * request_rows
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
-
-
-def graph_branches(spec: DecodeSpec, platform: Platform) -> tuple[str, ...]:
-    """Routes a CUDA-graph decoder captures side by side and picks between per step from
-    host-side lengths (``ops.graph_branches``), in branch order; ``()`` where one route per
-    batch size stays (every case but bf16/fp16 caches on SM90)."""
-    if (platform.kind == "cuda" and platform.capability is not None
-            and platform.capability[0] == 9 and not spec.fp8_kv):
-        return (VLLM_FA3, FLASHMLA)
-    return ()
-
-
-def graph_branch(spec: DecodeSpec, shape: BatchShape) -> str:
-    """Which of ``graph_branches`` runs this step: vLLM's FA3 MLA kernel where
-    ``GRAPH_FA3_MODEL`` predicts it faster, else FlashMLA. ``shape.max_seq_len`` must be
-    known; ``kv_tokens`` defaults to ``batch_size * max_seq_len``."""
-    if shape.max_seq_len is None:
-        raise ValueError("graph_branch needs the batch's max_seq_len")
-    kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
-    mean_len = max(kv_tokens / shape.batch_size, 1.0)
-    c0, c_batch, c_len, c_tiles = GRAPH_FA3_MODEL
-    predicted = (c0 + c_batch * math.log(shape.batch_size) + c_len * math.log(mean_len)
-                 + c_tiles * math.log(query_tiles(spec, shape.max_q_len)))
-    return VLLM_FA3 if predicted < 0.0 else FLASHMLA
 
 
 def triton_fp8_candidate(spec: DecodeSpec) -> bool:

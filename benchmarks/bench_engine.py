@@ -261,11 +261,44 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
                                 timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
+    if not wait_for_free_gpu():
+        print(f"GPU memory still in use 120 s after {tag}; the next engine may not start",
+              flush=True)
     if rc == 0 and result.exists():
         return [dict(r, round=rnd) for r in json.loads(result.read_text())]
     tail = log.read_text()[-300:].replace("\n", " | ")
     return [dict(round=rnd, heads=heads, kv=kv, backend=backend,
                  status=f"failed ({rc}): {tail}")]
+
+
+def gpu_memory_used_mib() -> list[int] | None:
+    """MiB in use on each GPU this process may use (``nvidia-smi``); ``None`` without it."""
+    cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        cmd.append(f"--id={visible}")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [int(x) for x in out.stdout.split()]
+
+
+def wait_for_free_gpu(read=gpu_memory_used_mib, limit_mib: int = 4096,
+                      timeout_s: float = 120.0, sleep=time.sleep) -> bool:
+    """Wait until every GPU holds at most ``limit_mib`` MiB. Why: an engine's worker
+    processes let go of their GPU memory seconds after the engine's process has exited,
+    and the next engine then refuses to start (run 37: the second round of a paired bench
+    found 8.8 of 139.8 GiB free). False on timeout; True at once without ``nvidia-smi``."""
+    waited = 0.0
+    while True:
+        used = read()
+        if used is None or max(used, default=0) <= limit_mib:
+            return True
+        if waited >= timeout_s:
+            return False
+        sleep(2.0)
+        waited += 2.0
 
 
 def add_shared_args(ap: argparse.ArgumentParser) -> None:

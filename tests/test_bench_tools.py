@@ -188,3 +188,13 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
     assert [r["backend"] for r in rows] == ["TRTLLM_MLA@flashmla", "FLASHMLA"]
     assert rows[0]["route"] == "flashmla" and "route" not in rows[1]
     assert [r["step_ms"] for r in rows] == ["1.000", "1.000"]  # 1 ms per generated token
+
+
+def test_next_engine_waits_for_the_gpu_memory_of_the_last():
+    readings = iter([[70_000], [30_000], [3_000]])
+    slept = []
+    assert bench_engine.wait_for_free_gpu(lambda: next(readings), sleep=slept.append)
+    assert slept == [2.0, 2.0]
+    assert not bench_engine.wait_for_free_gpu(lambda: [70_000], timeout_s=4,
+                                              sleep=lambda s: None)
+    assert bench_engine.wait_for_free_gpu(lambda: None)  # no nvidia-smi: no wait

@@ -55,9 +55,11 @@ Writes ``DIR/engine.csv`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -256,11 +258,19 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
            str(args.layers), "--result", str(result)]
     log = args.out / f"log-{tag}.txt"
     with open(log, "w") as f:
+        # Its own session, so that the engine processes it leaves behind (its worker exits
+        # without tearing the engines down, which can hang) are killed with it: left alone
+        # they kept their GPU memory for minutes (run 38).
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=args.timeout).returncode
+            rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             rc = "timeout"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     if not wait_for_free_gpu():
         print(f"GPU memory still in use 120 s after {tag}; the next engine may not start",
               flush=True)

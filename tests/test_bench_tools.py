@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,47 @@ def test_next_engine_waits_for_the_gpu_memory_of_the_last():
     assert not bench_engine.wait_for_free_gpu(lambda: [70_000], timeout_s=4,
                                               sleep=lambda s: None)
     assert bench_engine.wait_for_free_gpu(lambda: None)  # no nvidia-smi: no wait
+
+
+def test_engine_processes_left_behind_by_a_worker_are_killed(monkeypatch, tmp_path):
+    """A worker that exits while a child of its own (an engine process) lives on: the child
+    must be gone when ``engine_rows`` returns (left alone, vLLM's engine processes held
+    their GPU memory for minutes, run 38)."""
+    import textwrap
+
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text(textwrap.dedent(f"""
+        import json, subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(tmp_path / "child.pid")!r}, "w").write(str(child.pid))
+        result = sys.argv[sys.argv.index("--result") + 1]
+        open(result, "w").write(json.dumps([{{"status": "ok"}}]))
+    """))
+    monkeypatch.setattr(bench_engine, "__file__", str(fake))
+    monkeypatch.setattr(bench_engine, "wait_for_free_gpu", lambda: True)
+    args = type("A", (), dict(out=tmp_path, batches="2", output_len=6, short_len=2,
+                              repeats=1, min_prompt=4, max_prompt=8, seed=0, layers=2,
+                              timeout=60))()
+    rows = bench_engine.engine_rows(args, tmp_path / "model", 16, "auto", "TRTLLM_MLA", 0)
+    assert rows == [{"status": "ok", "round": 0}]
+    pid = int((tmp_path / "child.pid").read_text())
+    for _ in range(50):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid), "the worker's child outlived it"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed process may stay a zombie until its new parent reaps it)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -233,7 +233,7 @@ def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
     plugin and every peer but vLLM's Triton MLA (2-10x slower than the best peer on every
     grid shape; its per-shape JIT would not fit the device budget); ``train``: the routes
     the bf16 policy picks between; ``graph`` (bf16): the CUDA-graph decoder, the two routes
-    it branches between and vLLM's own calls of those two kernels."""
+    its rule picks between and vLLM's own calls of those two kernels."""
     ks = plugin_kernels(case, mode)
     if mode == "train":
         return ks
@@ -496,8 +496,8 @@ def main() -> None:
     ap.add_argument("--kv", choices=("both", BF, F8), default="both",
                     help="cache dtypes of the random sets")
     ap.add_argument("--graph-only", action="store_true",
-                    help="random sets, bf16 shapes: only the CUDA-graph decoder, the routes "
-                         "it branches between and vLLM's calls of those kernels")
+                    help="random sets, bf16 shapes: only the CUDA-graph decoder, the two routes "
+                         "its rule picks between and vLLM's calls of those kernels")
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
                          "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "

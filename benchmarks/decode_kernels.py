@@ -94,16 +94,16 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
     sorting off, which is FlashInfer's wrapper as any caller would use it; FP8 caches: the
     routes with a bf16 query too, the bf16-query accuracy option). ``train``: just the
     routes the bf16 policy chooses between; ``random``: FP8 caches without the slower
-    bf16-query levers; ``graph`` (bf16): the CUDA-graph decoder and the two routes it
-    branches between, no FlashInfer."""
+    bf16-query levers; ``graph`` (bf16): the CUDA-graph decoder and the two routes its
+    rule picks between, no FlashInfer."""
     fp8 = case.spec.fp8_kv
     ks = []
     if mode not in ("train", "graph"):
         ks.append(decoder_kernel("plugin", case, None, engine_query=True))
         ks[0].name = f"plugin[{ks[0].obj.route.name}]"
     if mode != "train" and not fp8:
-        # The engine's default: a CUDA-graph decoder (with conditional nodes where torch has
-        # them, both graph branches captured and the rule's pick run).
+        # The engine's default: a CUDA-graph decoder (its route picked from the batch size
+        # and query rows alone, as in a captured graph).
         graph = decoder_kernel("plugin-graph", case, None, engine_query=True, cuda_graph=True)
         graph.name = f"plugin-graph[{graph.obj.route.name}]"
         ks.append(graph)

@@ -8,8 +8,8 @@ query length only, as a CUDA-graph decoder does; ``--measured``: no replay, the
 ``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself) and prints its
 time over the best peer's (``--vs PEER``: over that peer's, e.g. ``peer:vllm-fa3-mla``,
 vLLM's default SM90 kernel for bf16 caches): per file the worst and the geometric-mean
-ratio (> 1: the plugin is faster) and the shapes under
-0.95. FP8 shapes report the plugin's own dispatched time (``plugin[...]`` rows).
+ratio (> 1: the plugin is faster) and the shapes under 0.95. FP8 shapes report the plugin's
+own dispatched time (``plugin[...]`` rows).
 
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).

@@ -48,17 +48,29 @@ def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
     return ROUTE_ROWS[name]
 
 
-def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
-           vs: str | None = None, measured: bool = False) -> list[tuple[float, str, str]]:
+#: What picks the plugin's row: the policy replayed with lengths (``eager``) or without
+#: (``graph``), or the CUDA-graph decoder's own timed row (``measured``).
+RULES = ("eager", "graph", "measured")
+
+
+def timed_rows(path: str) -> dict[str, dict[str, dict]]:
+    """``{shape: {kernel: row}}`` of a bench_decode CSV: first-pass rows that timed ``ok``,
+    ``vllm-fa3-mla`` stood in for by ``peer:vllm-fa3-mla`` where missing."""
     by: dict[str, dict[str, dict]] = defaultdict(dict)
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
             if r.get("pass_no", "1") == "1" and r["us"] and r.get("status", "ok") == "ok":
                 by[r["shape"]][r["kernel"]] = r
-    out = []
-    for shape, ks in by.items():
+    for ks in by.values():
         if "vllm-fa3-mla" not in ks and "peer:vllm-fa3-mla" in ks:
             ks["vllm-fa3-mla"] = ks["peer:vllm-fa3-mla"]
+    return by
+
+
+def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
+           vs: str | None = None) -> list[tuple[float, str, str]]:
+    out = []
+    for shape, ks in timed_rows(path).items():
         peers = {n: float(r["us"]) for n, r in ks.items()
                  if n.startswith("peer:") and "sorted" not in n}
         if vs is not None:
@@ -68,10 +80,10 @@ def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
         any_row = next(iter(ks.values()))
         if any_row["kv"] == "fp8":
             name = next((n for n in ks if n.startswith("plugin")), None)
-        elif measured:
+        elif rule == "measured":
             name = next((n for n in ks if n.startswith("plugin-graph")), None)
         else:
-            name = policy_row(any_row, lens[shape], graph)
+            name = policy_row(any_row, lens[shape], graph=rule == "graph")
         if name is None or name not in ks:
             continue
         out.append((min(peers.values()) / float(ks[name]["us"]), shape, name))
@@ -80,7 +92,7 @@ def ratios(path: str, lens: dict[str, list[int]], graph: bool = False,
 
 def main(*argv: str) -> None:
     args = list(argv)
-    graph, measured = "--graph" in args, "--measured" in args
+    rule = next((r for r in RULES if f"--{r}" in args), "eager")
     args = [a for a in args if a not in ("--graph", "--measured")]
     vs = None
     if "--vs" in args:
@@ -94,7 +106,7 @@ def main(*argv: str) -> None:
             d = json.loads(line)
             lens[d["shape"]] = d["lens"]
     for path in paths:
-        rs = ratios(path, lens, graph, vs, measured)
+        rs = ratios(path, lens, rule, vs)
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:

@@ -5,6 +5,7 @@ alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -155,7 +156,6 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
     """``--backend A,B``: both engines live in one process, each started with only its own
     forced route, timed A B then B A; one row per engine and batch."""
     pytest.importorskip("vllm")
-    import os
 
     from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
 
@@ -232,8 +232,6 @@ def test_engine_processes_left_behind_by_a_worker_are_killed(monkeypatch, tmp_pa
 
 def _alive(pid: int) -> bool:
     """Running (a killed process may stay a zombie until its new parent reaps it)."""
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

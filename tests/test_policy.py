@@ -5,6 +5,9 @@ No GPU: routes are built with their kernel packages absent, so only the choice i
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -291,33 +294,25 @@ def test_request_rows_rule_holds_on_every_timed_shape():
     """Every timed bf16 shape the 8-rows rule sends to vLLM's FA3 MLA (more than 16
     requests, so only that rule applies) ran faster there than on FlashMLA: runs 23 and 36
     timed both routes forced on each shape (docs/bench-2026-11-30)."""
-    import csv
-    import json
-    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    from evaluate_policy import timed_rows
 
-    data = Path(__file__).resolve().parents[1] / "docs" / "bench-2026-11-30"
-    sets = [("run23-shapes.jsonl", f"run23-random-{s}.csv") for s in (1, 2, 3, 4)]
-    sets.append(("run36-shapes.jsonl", "run36-random-7-graph-rule-before.csv"))
+    data = root / "docs" / "bench-2026-11-30"
+    files = [f"run23-random-{s}.csv" for s in (1, 2, 3, 4)]
+    files.append("run36-random-7-graph-rule-before.csv")
     checked = 0
-    for shapes_file, csv_file in sets:
-        lens = {d["shape"]: d["lens"] for d in map(
-            json.loads, (data / shapes_file).read_text().splitlines())}
-        times: dict[str, dict[str, float]] = {}
-        rows = {}
-        with open(data / csv_file, newline="") as f:
-            for r in csv.DictReader(f):
-                if r["us"] and r.get("status", "ok") == "ok" and r["kv"] == "bf16":
-                    times.setdefault(r["shape"], {})[r["kernel"]] = float(r["us"])
-                    rows[r["shape"]] = r
-        for name, t in times.items():
-            r = rows[name]
+    for csv_file in files:
+        for name, ks in timed_rows(str(data / csv_file)).items():
+            r = next(iter(ks.values()))
             heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
-            if b <= policy.VLLM_FA3_GRAPH_MAX_BATCH or r["block"] != "64":
+            if (r["kv"] != "bf16" or b <= policy.VLLM_FA3_GRAPH_MAX_BATCH
+                    or r["block"] != "64"):
                 continue
             chosen = policy.rank(spec(heads, q_len=q), H200, BatchShape(b, q))[0]
             if chosen != "vllm-fa3-mla":
                 continue
-            fa3 = t.get("vllm-fa3-mla", t.get("peer:vllm-fa3-mla"))
-            assert fa3 < t["flashmla"], (name, fa3, t["flashmla"], lens[name][:3])
+            fa3, flashmla = (float(ks[k]["us"]) for k in ("vllm-fa3-mla", "flashmla"))
+            assert fa3 < flashmla, (name, fa3, flashmla)
             checked += 1
     assert checked >= 6

@@ -1,6 +1,7 @@
 """The benchmarks' bookkeeping, on the CPU: the decode-step summary of a profiler trace
 (``profile_engine_step.summarize``), the per-round backend order of ``bench_engine`` and the
-alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``."""
+alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``, and the paired
+engine ratios of ``summarize_engine``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_decode
 import bench_engine
 import profile_engine_step
+import summarize_engine
 import torch
 from profile_engine_step import STEP_SCOPE, summarize
 
@@ -241,3 +243,44 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _paired_round(rnd: int, first: str, second: str, tps: dict[str, float], batch: int = 256,
+                  ) -> list[dict]:
+    """Two rows of one paired round, in creation order, as bench_engine writes them."""
+    return [dict(round=str(rnd), heads="16", kv="fp8", backend=name, batch=str(batch),
+                 decode_tokens_per_s=str(tps[name]), status="ok") for name in (first, second)]
+
+
+def test_paired_ratio_cancels_the_creation_order_effect():
+    """Rounds where the engine created first runs 5% faster whatever its backend, the
+    plugin created first in four rounds of six: the plain geometric mean leans toward
+    the plugin; the balanced estimate recovers the true ratio (0.98) and the order effect."""
+    rows = []
+    for rnd, plugin_first in enumerate((True, False, True, True, False, True)):
+        order = ("TRTLLM_MLA", "FLASHMLA") if plugin_first else ("FLASHMLA", "TRTLLM_MLA")
+        tps = {"FLASHMLA": 1000.0, "TRTLLM_MLA": 980.0}
+        tps[order[0]] *= 1.05 * (1 + 0.001 * rnd)  # a little noise so the variance is > 0
+        rows += _paired_round(rnd, *order, tps)
+    rows.append(dict(rows[0], status="failed: out of memory"))  # ignored
+    (point,) = summarize_engine.paired_points([rows])
+    assert point.other == "FLASHMLA" and point.batch == 256 and len(point.ratios) == 6
+    assert point.plugin_first == (True, False, True, True, False, True)
+    assert point.ratios[1] == pytest.approx(980 / (1050 * 1.001))
+    assert point.geomean > 0.99  # biased toward the plugin, created first more often
+    assert point.balanced == pytest.approx(0.98, rel=2e-3)
+    assert point.created_first == pytest.approx(1.05, rel=5e-3)
+    assert point.low < 0.98 < point.high
+
+
+def test_paired_ratio_pools_files_and_needs_both_orders_for_an_interval():
+    """Rounds restart at 0 in every file (one bench per device call): each file's rounds
+    count separately. With one creation order only there is no balanced estimate."""
+    one = _paired_round(0, "TRTLLM_MLA", "FLASH_ATTN_MLA", {"TRTLLM_MLA": 11.0,
+                                                             "FLASH_ATTN_MLA": 10.0}, 32)
+    two = _paired_round(0, "TRTLLM_MLA", "FLASH_ATTN_MLA", {"TRTLLM_MLA": 12.0,
+                                                             "FLASH_ATTN_MLA": 10.0}, 32)
+    (point,) = summarize_engine.paired_points([one, two])
+    assert point.ratios == pytest.approx((1.1, 1.2))
+    assert point.balanced is None and point.low is None and point.created_first is None
+    assert point.geomean == pytest.approx((1.1 * 1.2) ** 0.5)

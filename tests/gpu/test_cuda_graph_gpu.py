@@ -86,3 +86,55 @@ def test_graph_replay_after_replan(route: str, schedule: tuple) -> None:
               f"vs-eager={rel_eager:.1e}")
         rel_bound, max_bound = bounds(p)
         assert rel < rel_bound and worst < max_bound, (rel, worst)
+
+
+# (heads, batch, the route the SM90 CUDA-graph rule runs): 8 heads at one token (Kimi-K2 at
+# TP8, DeepSeek-V3 at TP16) take vLLM's FA3 MLA at any batch size (8 query rows per
+# request); 16 heads take it up to 32 requests and FlashMLA above (docs/benchmarks.md).
+POLICY_CASES = [(8, 40, "vllm-fa3-mla"), (8, 160, "vllm-fa3-mla"), (16, 12, "vllm-fa3-mla"),
+                (16, 40, "flashmla")]
+
+
+@pytest.mark.parametrize("heads,batch,route", POLICY_CASES,
+                         ids=[f"h{h}-b{b}" for h, b, _ in POLICY_CASES])
+def test_policy_decoder_replays_its_batch_size_route(heads: int, batch: int,
+                                                     route: str) -> None:
+    """The decoder an engine builds (no forced route, ``cuda_graph=True``) on an H100/H200:
+    the route its policy picks for the captured batch size, replayed after re-planning with
+    new lengths, against the float64 reference."""
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("the SM90 CUDA-graph rule")
+    gen = torch.Generator(device="cpu").manual_seed(heads * 1000 + batch)
+    steps = []
+    for _ in range(3):
+        lens = torch.randint(1, 3000, (batch,), generator=gen).tolist()
+        steps.append(make_problem(heads=heads, block=64, lens=lens, q_lens=1,
+                                  dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                                  device=device, width=WIDTH))
+    first = steps[0]
+    if (reason := route_skip_reason(route, first.spec, device)) is not None:
+        pytest.skip(reason)
+    decoder = MLADecoder(first.spec, device, max_batch_size=256, cuda_graph=True)
+    num_blocks = max(p.kv_cache.shape[0] for p in steps)
+    cache = torch.empty(num_blocks, 64, 576, dtype=torch.bfloat16, device=device)
+    cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
+    query = first.query.clone()
+    out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device=device)
+    decoder.plan(first.batch)
+    assert decoder.route.name == route, decoder.choice.explain()
+    graph = capture_decode(decoder, query, cache, out)
+    for p in steps[1:] + steps[:1]:
+        cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)
+        p.kv_cache = cache
+        decoder.plan(p.batch)
+        assert decoder.route.name == route
+        query.copy_(p.query)
+        p.query = query
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        rel, worst = errors(out, reference(p, route))
+        print(f"[policy graph h{heads} b{batch} {route}] rel={rel:.2e} max={worst:.2e}")
+        rel_bound, max_bound = bounds(p)
+        assert rel < rel_bound and worst < max_bound, (rel, worst)

@@ -1,0 +1,129 @@
+"""Paired engine rounds of bench_engine.py (``--paired``) as ratios with an interval.
+
+``python benchmarks/summarize_engine.py engine.csv [more.csv ...]`` prints, per (heads, KV
+dtype, batch) and per pair of backends, the decode tokens/s of TRTLLM_MLA over the other
+backend's in every round, their geometric mean, and an estimate balanced over creation order
+with its 95% interval.
+
+Why balanced: in a paired round one process creates both engines, and the engine created
+first decoded 2-3% faster than the one created second (runs 40-41, 14 FP8 rounds at b256),
+whichever backend it was. ``bench_engine`` alternates the creation order per round; with an
+odd number of rounds (or a round cut off) the plain geometric mean leans toward the backend
+created first more often. The balanced estimate is the mean of the two orders' mean log
+ratios, so the order effect cancels whatever the counts; its interval uses Student's t with
+``n - 2`` degrees of freedom. Within a (file, round, batch) group the CSV lists the engines in
+creation order (``bench_engine.worker``).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+
+PLUGIN = "TRTLLM_MLA"
+#: Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; 1.96 beyond.
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131,
+        16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def t975(df: int) -> float:
+    if df in T975:
+        return T975[df]
+    below = [d for d in T975 if d < df]
+    return T975[max(below)] if df <= 30 else 1.96
+
+
+@dataclass(frozen=True)
+class PairedPoint:
+    """One (heads, kv, batch, other backend): TRTLLM_MLA's decode tokens/s over the other's.
+
+    Attributes:
+        ratios: per round, in file order.
+        plugin_first: per round, whether TRTLLM_MLA's engine was created first.
+        geomean: plain geometric mean of ``ratios``.
+        balanced: ``exp`` of the mean of the two creation orders' mean log ratios
+            (``None`` unless both orders have a round).
+        low, high: 95% interval of ``balanced`` (``None`` below two rounds per order).
+        created_first: how much faster the engine created first decoded, as a factor
+            (``None`` as ``balanced``).
+    """
+
+    heads: str
+    kv: str
+    batch: int
+    other: str
+    ratios: tuple[float, ...]
+    plugin_first: tuple[bool, ...]
+    geomean: float
+    balanced: float | None
+    low: float | None
+    high: float | None
+    created_first: float | None
+
+
+def paired_points(files: list[list[dict]]) -> list[PairedPoint]:
+    """``files``: the rows of each engine.csv (as ``csv.DictReader`` gives them)."""
+    groups: dict[tuple, list[dict]] = {}
+    for i, rows in enumerate(files):
+        for r in rows:
+            if r.get("status", "ok") == "ok" and r.get("decode_tokens_per_s"):
+                groups.setdefault((i, r["round"], r["heads"], r["kv"], int(r["batch"])),
+                                  []).append(r)
+    per_point: dict[tuple, list[tuple[float, bool]]] = {}
+    for (_, _, heads, kv, batch), rows in groups.items():
+        names = [r["backend"] for r in rows]
+        if len(rows) != 2 or PLUGIN not in names or names[0] == names[1]:
+            continue
+        plugin = rows[names.index(PLUGIN)]
+        other = rows[1 - names.index(PLUGIN)]
+        ratio = float(plugin["decode_tokens_per_s"]) / float(other["decode_tokens_per_s"])
+        per_point.setdefault((heads, kv, batch, other["backend"]), []).append(
+            (ratio, names[0] == PLUGIN))
+    return [_point(key, values) for key, values in per_point.items()]
+
+
+def _point(key: tuple, values: list[tuple[float, bool]]) -> PairedPoint:
+    logs = [math.log(r) for r, _ in values]
+    first = [math.log(r) for r, f in values if f]
+    second = [math.log(r) for r, f in values if not f]
+    balanced = low = high = created_first = None
+    if first and second:
+        mid = (statistics.fmean(first) + statistics.fmean(second)) / 2
+        balanced = math.exp(mid)
+        created_first = math.exp((statistics.fmean(first) - statistics.fmean(second)) / 2)
+        if len(first) > 1 and len(second) > 1:
+            se = 0.5 * math.sqrt(statistics.variance(first) / len(first)
+                                 + statistics.variance(second) / len(second))
+            half = t975(len(values) - 2) * se
+            low, high = math.exp(mid - half), math.exp(mid + half)
+    return PairedPoint(*key, tuple(r for r, _ in values), tuple(f for _, f in values),
+                       math.exp(statistics.fmean(logs)), balanced, low, high, created_first)
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def main(*paths: str) -> None:
+    files = []
+    for path in paths:
+        with open(path, newline="") as f:
+            files.append(list(csv.DictReader(f)))
+    print("| heads | KV | batch | against | rounds | TRTLLM_MLA / other, per round | geomean "
+          "| balanced (95%) | created first |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p in sorted(paired_points(files), key=lambda p: (p.heads, p.kv, p.other, p.batch)):
+        per_round = ", ".join(f"{r:.3f}{'*' if f else ''}"
+                              for r, f in zip(p.ratios, p.plugin_first, strict=True))
+        interval = f"{fmt(p.balanced)} ({fmt(p.low)}-{fmt(p.high)})"
+        print(f"| {p.heads} | {p.kv} | {p.batch} | {p.other} | {len(p.ratios)} | {per_round} "
+              f"| {p.geomean:.3f} | {interval} | {fmt(p.created_first)} |")
+    print("\n(* TRTLLM_MLA's engine created first in that round)")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

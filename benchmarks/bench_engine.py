@@ -399,6 +399,11 @@ def main() -> None:
             # After every engine, so that a run stopped part-way keeps what it measured.
             write_csv(args.out / "engine.csv", rows)
     print_medians(rows)
+    if args.paired:
+        import summarize_engine
+
+        print()
+        summarize_engine.print_table(summarize_engine.paired_points([rows]))
 
 
 def print_medians(rows: list[dict]) -> None:

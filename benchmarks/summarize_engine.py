@@ -1,9 +1,11 @@
 """Paired engine rounds of bench_engine.py (``--paired``) as ratios with an interval.
 
-``python benchmarks/summarize_engine.py engine.csv [more.csv ...]`` prints, per (heads, KV
-dtype, batch) and per pair of backends, the decode tokens/s of TRTLLM_MLA over the other
-backend's in every round, their geometric mean, and an estimate balanced over creation order
-with its 95% interval.
+``python benchmarks/summarize_engine.py [--plot out.png] engine.csv [more.csv ...]`` prints,
+per (heads, KV dtype, batch) and per pair of backends, the decode tokens/s of TRTLLM_MLA over
+the other backend's in every round, their geometric mean, and an estimate balanced over
+creation order with its 95% interval (``--plot``: those estimates and intervals against 1,
+one marker per round; needs matplotlib). ``bench_engine.py --paired`` prints the table at
+its end.
 
 Why balanced: in a paired round one process creates both engines, and the engine created
 first decoded 2-3% faster than the one created second (runs 40-41, 14 FP8 rounds at b256),
@@ -108,21 +110,60 @@ def fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def main(*paths: str) -> None:
-    files = []
-    for path in paths:
-        with open(path, newline="") as f:
-            files.append(list(csv.DictReader(f)))
+def print_table(points: list[PairedPoint]) -> None:
+    """Markdown table of ``points`` (for docs/benchmarks.md)."""
     print("| heads | KV | batch | against | rounds | TRTLLM_MLA / other, per round | geomean "
           "| balanced (95%) | created first |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for p in sorted(paired_points(files), key=lambda p: (p.heads, p.kv, p.other, p.batch)):
+    for p in sorted(points, key=lambda p: (p.heads, p.kv, p.other, p.batch)):
         per_round = ", ".join(f"{r:.3f}{'*' if f else ''}"
                               for r, f in zip(p.ratios, p.plugin_first, strict=True))
         interval = f"{fmt(p.balanced)} ({fmt(p.low)}-{fmt(p.high)})"
         print(f"| {p.heads} | {p.kv} | {p.batch} | {p.other} | {len(p.ratios)} | {per_round} "
               f"| {p.geomean:.3f} | {interval} | {fmt(p.created_first)} |")
     print("\n(* TRTLLM_MLA's engine created first in that round)")
+
+
+def plot(points: list[PairedPoint], dst: str) -> None:
+    """One row per point: every round's ratio, the balanced estimate and its interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted(points, key=lambda p: (p.kv, p.other, p.batch))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(points) + 1.8))
+    for y, p in enumerate(points):
+        ax.scatter(p.ratios, [y] * len(p.ratios), s=14, color="0.6", zorder=2)
+        if p.balanced is not None:
+            lo, hi = p.low or p.balanced, p.high or p.balanced
+            ax.errorbar([p.balanced], [y], xerr=[[p.balanced - lo], [hi - p.balanced]],
+                        fmt="D", color="C0", capsize=4, zorder=3)
+    ax.axvline(1.0, color="k", linewidth=0.8)
+    ax.set_yticks(range(len(points)))
+    ax.set_yticklabels([f"h{p.heads} {'bf16' if p.kv == 'auto' else p.kv} b{p.batch} "
+                        f"vs {p.other} ({len(p.ratios)} rounds)" for p in points])
+    ax.set_xlabel("TRTLLM_MLA decode tokens/s / other backend's (> 1: plugin faster)")
+    ax.set_title("Paired engine rounds: grey per round, blue balanced over creation order (95%)")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
+def main(*argv: str) -> None:
+    args = list(argv)
+    dst = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        dst = args[i + 1]
+        del args[i:i + 2]
+    files = []
+    for path in args:
+        with open(path, newline="") as f:
+            files.append(list(csv.DictReader(f)))
+    points = paired_points(files)
+    print_table(points)
+    if dst is not None:
+        plot(points, dst)
 
 
 if __name__ == "__main__":

@@ -284,3 +284,15 @@ def test_paired_ratio_pools_files_and_needs_both_orders_for_an_interval():
     assert point.ratios == pytest.approx((1.1, 1.2))
     assert point.balanced is None and point.low is None and point.created_first is None
     assert point.geomean == pytest.approx((1.1 * 1.2) ** 0.5)
+
+
+def test_paired_table_reads_the_csv_bench_engine_writes(tmp_path, capsys):
+    """bench_engine.write_csv -> summarize_engine.main: the columns it needs survive."""
+    rows = []
+    for rnd, order in enumerate((("TRTLLM_MLA", "FLASHMLA"), ("FLASHMLA", "TRTLLM_MLA"))):
+        rows += _paired_round(rnd, *order, {"TRTLLM_MLA": 1100.0, "FLASHMLA": 1000.0})
+    path = tmp_path / "engine.csv"
+    bench_engine.write_csv(path, rows)
+    summarize_engine.main(str(path))
+    table = capsys.readouterr().out
+    assert "| 16 | fp8 | 256 | FLASHMLA | 2 | 1.100*, 1.100 | 1.100 | 1.100 (-" in table

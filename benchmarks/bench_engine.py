@@ -43,7 +43,9 @@ fixed, the same for every backend), then
 Decode step time = (t(N) - t(S)) / (N - S), each t the fastest of --repeats runs: the
 difference cancels the recompute step (a context-attention prefill over every cached
 prefix, which at b256 and 1k-8k prompts costs more than many decode steps and goes through
-the prefill path, not decode) and every fixed cost. Decode tokens/s = B / step.
+the prefill path, not decode) and every fixed cost. Decode tokens/s = B / step. Column
+``steps_each_ms``: every repeat's own estimate, to tell an engine instance's spread between
+its repeats from the spread between instances (rounds).
 ``tokens_per_s`` / ``tpot_ms`` are the whole ``generate(1 + N)`` (recompute step
 included), as in run 13. The attention share is the plugin decoder's own time for one
 layer at that batch (``ops.MLADecoder`` on the same lengths, CUDA-graph timed) x layers /
@@ -67,7 +69,7 @@ from pathlib import Path
 
 FIELDS = ["round", "heads", "kv", "backend", "batch", "output_len", "decode_s", "tokens_per_s",
           "tpot_ms", "short_len", "short_s", "step_ms", "decode_tokens_per_s", "route",
-          "attn_layer_us", "attn_share", "status"]
+          "attn_layer_us", "attn_share", "status", "steps_each_ms"]
 
 
 def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -219,6 +221,12 @@ def worker(args: argparse.Namespace) -> None:
                 short[n].append(timed_generate(llms[n], prompts, args.short_len))
                 full[n].append(timed_generate(llms[n], prompts, args.output_len))
         rows += [step_row(args, n, b, min(short[n]), min(full[n])) for n in names]
+        # Every repeat's own step estimate too: how much one engine instance varies between
+        # its repeats, against how much instances vary between rounds.
+        span = args.output_len - args.short_len
+        for row, n in zip(rows[-len(names):], names, strict=True):
+            row["steps_each_ms"] = ";".join(f"{(f - s) / span * 1e3:.3f}"
+                                            for s, f in zip(short[n], full[n], strict=True))
     del llms
     import torch
 

@@ -163,9 +163,18 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
 
     calls, started, clock = [], [], [0.0]
 
+    class _SlowerEachRepeat(_FakeLLM):
+        """Repeat r of an engine's timed pair (short, full) runs at (r + 1) ms per token."""
+
+        def generate(self, prompts, params, use_tqdm=False):
+            timed = sum(1 for name, n in self.calls if name == self.name and n > 1)
+            if params.max_tokens > 1:
+                self.clock[0] += 1e-3 * params.max_tokens * (timed // 2)
+            return super().generate(prompts, params, use_tqdm)
+
     def make_llm(args, backend, max_num_seqs, capture, gpu_memory=0.6):
         started.append((backend, os.environ.get(ROUTE_ENV_VAR), gpu_memory))
-        return _FakeLLM(backend, calls, clock)
+        return _SlowerEachRepeat(backend, calls, clock)
 
     monkeypatch.setattr(bench_engine.time, "perf_counter", lambda: clock[0])
 
@@ -190,7 +199,10 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
     rows = json.loads((tmp_path / "r.json").read_text())
     assert [r["backend"] for r in rows] == ["TRTLLM_MLA@flashmla", "FLASHMLA"]
     assert rows[0]["route"] == "flashmla" and "route" not in rows[1]
-    assert [r["step_ms"] for r in rows] == ["1.000", "1.000"]  # 1 ms per generated token
+    # Fastest of each length: the first repeat, 1 ms per generated token ...
+    assert [r["step_ms"] for r in rows] == ["1.000", "1.000"]
+    # ... and each repeat's own estimate, in order.
+    assert [r["steps_each_ms"] for r in rows] == ["1.000;2.000", "1.000;2.000"]
 
 
 def test_next_engine_waits_for_the_gpu_memory_of_the_last():

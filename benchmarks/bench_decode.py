@@ -4,6 +4,7 @@ Usage (one process, on the GPU machine)::
 
     python benchmarks/bench_decode.py --out DIR [--quick] [--noise] [--host]
         [--random 1,2 [--random-count 40]] [--train 100] [--no-grid]
+        [--extra-routes cuda-splitk] [--splitk-configs "4,1,4;2,2,4"]
     python benchmarks/bench_decode.py --out DIR --paired 5 [--shapes ...] [--random 1,2]
 
 Writes ``DIR/decode.csv`` (the grid: one row per shape x kernel x pass), ``random-S.csv``
@@ -45,6 +46,7 @@ from decode_kernels import (
     flashmla_fp8_peer,
     flashmla_peer,
     plugin_kernels,
+    splitk_kernel,
     triton_peer,
     vllm_fa3_mla_peer,
 )
@@ -228,6 +230,14 @@ def reference(case: Case) -> torch.Tensor:
     )
 
 
+#: ``--extra-routes``: plugin routes no policy ranks yet (e.g. ``cuda-splitk``), timed forced
+#: on every shape as ``route:NAME`` rows beside the peers.
+EXTRA_ROUTES: tuple[str, ...] = ()
+#: ``--splitk-configs``: launch configurations (stages, CTAs per SM, min tiles per CTA) of
+#: the CUDA split-KV kernel, each timed as ``splitk[...]`` rows.
+SPLITK_CONFIGS: tuple[tuple[int, int, int], ...] = ()
+
+
 def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
     """Kernels timed per shape. ``grid``: everything, levers included; ``random``: the
     plugin and every peer but vLLM's Triton MLA (2-10x slower than the best peer on every
@@ -235,6 +245,8 @@ def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
     the bf16 policy picks between; ``graph`` (bf16): the CUDA-graph decoder, the two routes
     its rule picks between and vLLM's own calls of those two kernels."""
     ks = plugin_kernels(case, mode)
+    ks += [decoder_kernel(f"route:{r}", case, r, cuda_graph=True) for r in EXTRA_ROUTES]
+    ks += [splitk_kernel(case, *config) for config in SPLITK_CONFIGS]
     if mode == "train":
         return ks
     if mode == "graph":
@@ -473,7 +485,7 @@ def prewarm_jit() -> None:
 
 
 def main() -> None:
-    global COPY_BPS
+    global COPY_BPS, EXTRA_ROUTES, SPLITK_CONFIGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true", help="8 representative shapes only")
@@ -498,11 +510,20 @@ def main() -> None:
     ap.add_argument("--graph-only", action="store_true",
                     help="random sets, bf16 shapes: only the CUDA-graph decoder, the two routes "
                          "its rule picks between and vLLM's calls of those kernels")
+    ap.add_argument("--extra-routes", default="",
+                    help="comma-separated plugin routes to time forced on every shape "
+                         "(route:NAME rows; a summary of each against the best peer)")
+    ap.add_argument("--splitk-configs", default="",
+                    help="semicolon-separated STAGES,CTAS_PER_SM,MIN_TILES launch "
+                         "configurations of the CUDA split-KV kernel to time on every shape")
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
                          "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "
                          "(paired.csv)")
     args = ap.parse_args()
+    EXTRA_ROUTES = tuple(r for r in args.extra_routes.split(",") if r)
+    SPLITK_CONFIGS = tuple(tuple(int(v) for v in c.split(","))
+                           for c in args.splitk_configs.split(";") if c)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     t_start = time.time()
@@ -585,7 +606,30 @@ def main() -> None:
         ratio = peer_us / plugin if plugin and peer_us else float("nan")
         print(f"{pass_no:4} {name:32} {plugin or float('nan'):9.1f} {pct:6.1f} "
               f"{peer!s:>24} {peer_us or float('nan'):8.1f} {ratio:6.2f}")
+    for name in [f"route:{r}" for r in EXTRA_ROUTES] + [
+            "splitk[s{}c{}m{}]".format(*c) for c in SPLITK_CONFIGS]:
+        print_route_summary(name, summary)
     print(f"total {time.time() - t_start:.0f} s; pid {os.getpid()}")
+
+
+def print_route_summary(name: str, summary: list) -> None:
+    """Per shape: ``name``'s time, % of the copy ceiling and best-peer time / its time
+    (> 1: faster than every peer); then the worst and the geometric mean."""
+    print(f"\n{name}: {'shape':32} {'us':>8} {'%copy':>6} {'best peer':>24} {'us':>8} "
+          f"{'peer/this':>9}")
+    ratios = []
+    for _pass_no, shape, times, _plugin, (peer, peer_us), nbytes in summary:
+        us = times.get(name)
+        if us is None or not peer_us:
+            continue
+        ratios.append(peer_us / us)
+        pct = 100 * nbytes / (us * 1e-6) / COPY_BPS
+        print(f"{shape:32} {us:8.1f} {pct:6.1f} {peer!s:>24} {peer_us:8.1f} "
+              f"{ratios[-1]:9.3f}")
+    if ratios:
+        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(f"{name}: {len(ratios)} shapes, worst {min(ratios):.3f}, best "
+              f"{max(ratios):.3f}, geomean {geo:.3f} (best peer / this)")
 
 
 def paired_fp8(args, device, t_start: float) -> None:

@@ -267,3 +267,29 @@ def triton_peer(case: Case) -> Kernel:
         return out
 
     return Kernel(name, call, out=out)
+
+
+def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int) -> Kernel:
+    """The CUDA split-KV kernel (route ``cuda-splitk``) under one launch configuration,
+    called directly (planned once): ``splitk[s{stages}c{ctas_per_sm}m{min_tiles}]``."""
+    name = f"splitk[s{stages}c{ctas_per_sm}m{min_tiles}]"
+    spec, device = case.spec, case.query.device
+    reason = ROUTES["cuda-splitk"].unsupported_reason(spec, platform_of(device))
+    if reason is not None:
+        return Kernel(name, absent=f"not eligible: {reason}")
+    from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig, SplitKMLADecode
+
+    b = case.batch.batch_size
+    config = SplitKConfig(stages=stages, ctas_per_sm=ctas_per_sm, min_tiles=min_tiles)
+    kernel = SplitKMLADecode(device, spec.num_heads, case.q_len, spec.block_size, b,
+                             spec.q_dtype, config)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * case.q_len
+    kernel.plan(case.batch.seq_lens)
+    out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
+                      dtype=spec.q_dtype, device=device)
+
+    def call(cache: torch.Tensor) -> torch.Tensor:
+        return kernel.run(case.query, cache, case.batch.block_table, case.batch.seq_lens,
+                          cu_q, out, spec.softmax_scale)
+
+    return Kernel(name, call, out=out, obj=config)

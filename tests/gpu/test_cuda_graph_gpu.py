@@ -29,7 +29,7 @@ pytestmark = [
 ]
 
 ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "vllm-fa3-mla", "triton-balanced",
-          "flashinfer-fa2",
+          "flashinfer-fa2", "cuda-splitk",
           "trtllm-gen", "flashinfer-cute-dsl"]
 FP8 = torch.float8_e4m3fn
 #: The KV (and query) dtype each route is captured with: FP8-only routes read FP8.

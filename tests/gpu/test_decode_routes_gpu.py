@@ -27,7 +27,7 @@ pytestmark = [
 ]
 
 ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "vllm-fa3-mla", "triton-balanced",
-          "flashinfer-fa2",
+          "flashinfer-fa2", "cuda-splitk",
           "trtllm-gen", "flashinfer-cute-dsl"]
 BF16, FP16 = torch.bfloat16, torch.float16
 

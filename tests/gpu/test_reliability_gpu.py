@@ -37,7 +37,7 @@ pytestmark = [
 ]
 
 ALL_ROUTES = ["flashinfer-fa3", "flashinfer-fa2", "flashmla", "flashmla-fp8", "vllm-fa3-mla",
-              "triton-balanced",
+              "triton-balanced", "cuda-splitk",
               "trtllm-gen", "flashinfer-cute-dsl"]
 #: Routes that serve FP8 caches only: their graph tests run FP8 (query and cache, as vLLM
 #: hands them over) where the others run bf16.
@@ -101,7 +101,8 @@ def _sweep_problem(route: str, seed: int) -> tuple[Problem, str]:
     rng = random.Random(f"{route}/{seed}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     paged_fp8 = route.startswith("flashinfer") or route == "triton-balanced"
-    blocks = {"flashmla": [64], "flashmla-fp8": [64], "triton-balanced": [16, 32, 64, 64, 64]}
+    blocks = {"flashmla": [64], "flashmla-fp8": [64], "triton-balanced": [16, 32, 64, 64, 64],
+              "cuda-splitk": [32, 64, 64, 64]}
     block = spec_rng.choice(blocks.get(route, [1, 16, 32, 64, 64, 64]))
     heads = spec_rng.choice([1, 2, 3, 4, 7, 8, 13, 16, 16, 20, 24, 32, 33, 64, 100, 127, 128])
     kinds = ["bf16", "bf16", "fp16", "fp8"] if paged_fp8 else ["bf16", "bf16", "fp16"]
@@ -167,7 +168,8 @@ def _sweep_seeds() -> list[int]:
 
 
 @pytest.mark.parametrize("route", ["flashinfer-fa3", "flashinfer-fa2", "flashmla",
-                                   "flashmla-fp8", "vllm-fa3-mla", "triton-balanced"])
+                                   "flashmla-fp8", "vllm-fa3-mla", "triton-balanced",
+                                   "cuda-splitk"])
 def test_randomized_sweep(route: str) -> None:
     device = torch.device("cuda")
     _skip_unless_eligible(route, _spec(kv_dtype=FP8 if route in FP8_ONLY else BF16))

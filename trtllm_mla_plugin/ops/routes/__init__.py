@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .base import DecodeRoute
+from .cuda_splitk import CudaSplitKRoute
 from .flashinfer_mla import FlashInferFA2Route, FlashInferFA3Route
 from .flashmla import FlashMLARoute
 from .flashmla_fp8 import FlashMLAFP8Route
@@ -22,6 +23,7 @@ ROUTES: dict[str, type[DecodeRoute]] = {
         VllmFA3MLARoute,
         TritonBalancedRoute,
         FlashInferFA2Route,
+        CudaSplitKRoute,
         TorchReferenceRoute,
     )
 }

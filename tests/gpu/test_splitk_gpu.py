@@ -1,0 +1,96 @@
+"""The CUDA split-KV kernel (route ``cuda-splitk``) where its schedule is stressed: one long
+request cut over every CTA, the largest batch it takes, query rows that do not fill a
+16-row tile, every launch configuration, and seeded random batches of up to 512 requests
+(the route sweep in test_reliability_gpu.py stops at 32). All against float64."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import (
+    SplitKConfig,
+    SplitKMLADecode,
+)
+
+from mla_cases import bounds, errors, make_problem, reference, route_skip_reason
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+BF16, FP16 = torch.bfloat16, torch.float16
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def _check(p, config: SplitKConfig | None = None, tag: str = "") -> tuple[float, float]:
+    if (reason := route_skip_reason("cuda-splitk", p.spec, DEVICE)) is not None:
+        pytest.skip(reason)
+    b = p.batch.batch_size
+    kernel = SplitKMLADecode(DEVICE, p.spec.num_heads, p.spec.max_q_len, p.spec.block_size,
+                             b, p.spec.q_dtype, config)
+    cu = p.batch.cu_seqlens_q
+    if cu is None:
+        cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * p.batch.max_q_len
+    out = torch.full((p.query.shape[0], p.spec.num_heads, 512), float("nan"),
+                     dtype=p.spec.q_dtype, device=DEVICE)
+    kernel.plan(p.batch.seq_lens)
+    kernel.run(p.query, p.kv_cache, p.batch.block_table, p.batch.seq_lens, cu, out,
+               p.spec.softmax_scale)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), f"{tag}: rows left unwritten (NaN poison)"
+    rel, worst = errors(out, reference(p))
+    rel_bound, max_bound = bounds(p)
+    print(f"[splitk {tag}] rel={rel:.2e} max={worst:.2e}")
+    assert rel < rel_bound and worst < max_bound, (tag, rel, worst)
+    return rel, worst
+
+
+@pytest.mark.parametrize("heads,q_len", [(16, 1), (128, 4)])
+def test_one_request_cut_over_every_cta(heads: int, q_len: int) -> None:
+    p = make_problem(heads=heads, block=64, lens=[65536 if heads == 16 else 16384],
+                     q_lens=q_len, dtype=BF16, kv_dtype=BF16, device=DEVICE)
+    _check(p, tag=f"h{heads} q{q_len} one long request")
+
+
+def test_largest_batch_it_takes() -> None:
+    rng = random.Random(1024)
+    lens = [rng.randint(1, 300) for _ in range(1024)]
+    p = make_problem(heads=16, block=32, lens=lens, q_lens=1, dtype=BF16, kv_dtype=BF16,
+                     device=DEVICE)
+    _check(p, tag="b1024")
+
+
+@pytest.mark.parametrize("heads,q_len", [(8, 1), (24, 1), (20, 3), (1, 1), (33, 2)])
+def test_rows_that_do_not_fill_a_tile(heads: int, q_len: int) -> None:
+    dtype = FP16 if q_len == 1 else BF16
+    p = make_problem(heads=heads, block=64, lens=[q_len, 64, 65, 700, 3000], q_lens=q_len,
+                     dtype=dtype, kv_dtype=dtype, device=DEVICE)
+    _check(p, tag=f"h{heads} q{q_len}")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("ctas_per_sm,min_tiles", [(1, 4), (2, 1), (1, 64)])
+def test_every_launch_configuration(stages: int, ctas_per_sm: int, min_tiles: int) -> None:
+    p = make_problem(heads=32, block=64, lens=[5, 4000, 129, 64, 1, 9000, 333], q_lens=1,
+                     dtype=BF16, kv_dtype=BF16, device=DEVICE)
+    _check(p, SplitKConfig(stages=stages, ctas_per_sm=ctas_per_sm, min_tiles=min_tiles),
+           tag=f"s{stages} c{ctas_per_sm} m{min_tiles}")
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_seeded_random_batches(seed: int) -> None:
+    rng = random.Random(f"splitk/{seed}")
+    heads = rng.choice([8, 16, 16, 32, 64, 128])
+    q_len = rng.choice([1, 1, 2, 4])
+    b = rng.choice([1, 7, 64, 200, 512])
+    ctx = rng.choice([256, 2048, 8192])
+    # Bound the float64 reference (rows x max length x 576 doubles).
+    ctx = min(ctx, max(64, 400_000 // (b * q_len)))
+    lens = [max(q_len, rng.randint(1, ctx)) for _ in range(b)]
+    dtype = rng.choice([BF16, BF16, FP16])
+    p = make_problem(heads=heads, block=rng.choice([32, 64]), lens=lens, q_lens=q_len,
+                     dtype=dtype, kv_dtype=dtype, device=DEVICE)
+    _check(p, tag=f"seed {seed} h{heads} q{q_len} b{b} ctx{ctx}")

@@ -1,0 +1,235 @@
+"""The CUDA split-KV decode kernel without a GPU: it compiles for SM90 with no register
+spills, its schedule (the kernel's own helpers, host-compiled) covers every tile once and
+combines exactly the partials the decode CTAs wrote, the launch struct matches the C++
+layout, and the route states what it cannot serve. The kernel's numbers are checked on the
+GPU (tests/gpu/test_decode_routes_gpu.py, tests/gpu/test_splitk_gpu.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops import policy
+from trtllm_mla_plugin.ops.kernels import nvcc_build
+from trtllm_mla_plugin.ops.kernels import splitk_mla_decode as sk
+from trtllm_mla_plugin.ops.platform import Platform
+from trtllm_mla_plugin.ops.routes import ROUTES
+from trtllm_mla_plugin.ops.spec import DecodeSpec
+
+HARNESS = Path(__file__).with_name("cuda") / "splitk_schedule_harness.cu"
+NVCC = nvcc_build.find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+H200 = Platform("cuda", (9, 0), "NVIDIA H200")
+
+
+@pytest.fixture(scope="module")
+def ptxas_report(tmp_path_factory) -> dict[str, tuple[int, int, int]]:
+    """Entry point -> (registers, spill store bytes, spill load bytes) from ptxas -v."""
+    out = tmp_path_factory.mktemp("cubin") / "splitk.cubin"
+    cmd = [*nvcc_build.compile_command(NVCC, sk.SOURCE, out, (9, 0)), "-Xptxas", "-v"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    report: dict[str, tuple[int, int, int]] = {}
+    name = None
+    spills = (0, 0)
+    for line in done.stderr.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name = m.group(1)
+        elif m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            spills = (int(m.group(1)), int(m.group(2)))
+        elif (m := re.search(r"Used (\d+) registers", line)) and name:
+            report[name] = (int(m.group(1)), *spills)
+    return report
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_every_entry_point_compiles_for_sm90_without_spills(ptxas_report, dtype, groups,
+                                                            stages):
+    name = sk.DTYPE_NAMES[dtype]
+    decode = ptxas_report[f"splitk_mla_decode_{name}_rg{groups}_s{stages}"]
+    combine = ptxas_report[f"splitk_mla_combine_{name}_rg{groups}"]
+    for regs, spill_st, spill_ld in (decode, combine):
+        assert regs <= 255 and spill_st == 0 and spill_ld == 0
+    # One CTA of 128 * groups threads must fit the SM's 64K registers.
+    assert decode[0] * 128 * groups <= 65536
+    assert sk.decode_shared_bytes(stages, groups) <= 227 * 1024
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> Path:
+    exe = tmp_path_factory.mktemp("harness") / "schedule"
+    subprocess.run([NVCC, *nvcc_build.target_flags((9, 0)), "-DSPLITK_SCHEDULE_ONLY", "-O1",
+                    "-std=c++17", "-o", str(exe), str(HARNESS)], check=True,
+                   capture_output=True)
+    return exe
+
+
+def _schedule(exe: Path, num_ctas: int, min_tiles: int, tiles: list[int]):
+    text = f"{num_ctas} {min_tiles} {len(tiles)}\n" + " ".join(map(str, tiles)) + "\n"
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True,
+                         check=True).stdout.split("\n")
+    active, ranges = 0, []
+    written, read = defaultdict(list), defaultdict(list)
+    for line in filter(None, out):
+        kind, *vals = line.split()
+        vals = [int(v) for v in vals]
+        if kind == "active":
+            active = vals[0]
+        elif kind == "range":
+            ranges.append((vals[1], vals[2]))
+        elif kind == "W":
+            written[vals[0]].append(vals[1])
+        else:
+            read[vals[0]].append(vals[1])
+    return active, ranges, written, read
+
+
+def _batches(seed: int):
+    rng = random.Random(seed)
+    yield [5, 100, 1]
+    yield [0, 3, 0, 0, 7]          # requests without tiles (padding) between real ones
+    yield [2048]                   # one long request over every CTA
+    yield [1] * 1000               # many one-tile requests
+    for _ in range(40):
+        b = rng.choice([1, 2, 7, 32, 100, 257, 1024])
+        hi = rng.choice([1, 8, 128, 2048])
+        yield [rng.randint(0, hi) if rng.random() < 0.05 else rng.randint(1, hi)
+               for _ in range(b)]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("num_ctas,min_tiles", [(132, 4), (264, 1), (132, 16), (7, 2)])
+def test_schedule_covers_every_tile_once_and_combines_what_was_written(harness, num_ctas,
+                                                                       min_tiles):
+    for tiles in _batches(num_ctas * 1000 + min_tiles):
+        total = sum(tiles)
+        active, ranges, written, read = _schedule(harness, num_ctas, min_tiles, tiles)
+        if total == 0:
+            assert not ranges
+            continue
+        assert 1 <= active <= num_ctas and len(ranges) == active
+        assert active == max(1, min(num_ctas, -(-total // min_tiles)))
+        # ranges are non-empty and tile [0, total) end to end
+        assert ranges[0][0] == 0 and ranges[-1][1] == total
+        assert all(s < e for s, e in ranges)
+        assert all(ranges[i][1] == ranges[i + 1][0] for i in range(active - 1))
+        starts = [0]
+        for n in tiles:
+            starts.append(starts[-1] + n)
+        for i, n in enumerate(tiles):
+            owners = {c for c, (s, e) in enumerate(ranges)
+                      if n and s < starts[i + 1] and e > starts[i]}
+            if len(owners) <= 1:
+                assert i not in written and i not in read
+            else:
+                # one partial per CTA the request spans, and the combine reads exactly those
+                assert len(written[i]) == len(owners)
+                assert sorted(written[i]) == sorted(read[i])
+                assert {slot // 2 for slot in written[i]} == owners
+        all_slots = [slot for slots in written.values() for slot in slots]
+        assert len(all_slots) == len(set(all_slots))  # no two partials share a slot
+        assert all(0 <= slot < 2 * num_ctas for slot in all_slots)
+
+
+def _c_struct_layout(tmp_path: Path) -> tuple[int, dict[str, int]]:
+    source = sk.SOURCE.read_text()
+    struct = re.search(r"struct SplitKParams \{.*?\};", source, re.S).group(0)
+    names = re.findall(r"(\w+);", struct)
+    prog = tmp_path / "layout.cpp"
+    prog.write_text(
+        "#include <cstddef>\n#include <cstdio>\ntypedef unsigned short u16;\n"
+        "typedef long long i64;\n" + struct + "\nint main() {\n"
+        '  std::printf("size %zu\\n", sizeof(SplitKParams));\n'
+        + "".join(f'  std::printf("{n} %zu\\n", offsetof(SplitKParams, {n}));\n'
+                  for n in names) + "}\n")
+    exe = tmp_path / "layout"
+    subprocess.run([shutil.which("g++") or "c++", "-o", str(exe), str(prog)], check=True)
+    lines = subprocess.run([str(exe)], capture_output=True, text=True,
+                           check=True).stdout.split()
+    values = dict(zip(lines[::2], map(int, lines[1::2]), strict=True))
+    return values.pop("size"), values
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="needs a C++ compiler")
+def test_launch_struct_matches_the_cxx_layout(tmp_path):
+    size, offsets = _c_struct_layout(tmp_path)
+    assert ctypes.sizeof(sk.SplitKParams) == size
+    assert [f[0] for f in sk.SplitKParams._fields_] == list(offsets)
+    for name, offset in offsets.items():
+        assert getattr(sk.SplitKParams, name).offset == offset, name
+
+
+def _spec(**kw) -> DecodeSpec:
+    base = dict(num_heads=16, kv_lora_rank=512, rope_dim=64, block_size=64,
+                q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, softmax_scale=0.1)
+    base.update(kw)
+    return DecodeSpec(**base)
+
+
+def test_route_serves_bf16_and_fp16_deepseek_shapes_on_sm90(monkeypatch):
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc",
+                        lambda: "/usr/bin/nvcc")
+    reason = ROUTES["cuda-splitk"].unsupported_reason
+    for kw in ({}, {"q_dtype": torch.float16, "kv_dtype": torch.float16},
+               {"num_heads": 128, "block_size": 32}, {"max_q_len": 4}):
+        assert reason(_spec(**kw), H200) is None, kw
+
+
+@pytest.mark.parametrize("kw,platform,words", [
+    ({}, Platform("cuda", (10, 0), "NVIDIA B200"), "SM90"),
+    ({}, Platform("cuda", (8, 0), "NVIDIA A100"), "SM90"),
+    ({}, Platform("cpu", None, "cpu"), "SM90"),
+    ({"kv_dtype": torch.float8_e4m3fn}, H200, "same dtype"),
+    ({"block_size": 16}, H200, "multiple of 32"),
+    ({"kv_lora_rank": 256}, H200, "512 + 64"),
+    ({"max_q_len": 17}, H200, "up to 16"),
+])
+def test_route_says_what_it_cannot_serve(monkeypatch, kw, platform, words):
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc",
+                        lambda: "/usr/bin/nvcc")
+    assert words in ROUTES["cuda-splitk"].unsupported_reason(_spec(**kw), platform)
+
+
+def test_route_without_nvcc_names_the_fix(monkeypatch):
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc", lambda: None)
+    reason = ROUTES["cuda-splitk"].unsupported_reason(_spec(), H200)
+    assert "nvcc" in reason and "CUDA_HOME" in reason
+
+
+def test_build_without_nvcc_names_the_fix(monkeypatch):
+    monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: None)
+    with pytest.raises(RuntimeError, match=r"nvcc.*CUDA_HOME"):
+        nvcc_build.build_cubin(sk.SOURCE, (9, 0))
+
+
+@needs_nvcc
+def test_build_compiles_once_and_reuses_the_cubin(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRTLLM_MLA_CACHE_DIR", str(tmp_path))
+    first = nvcc_build.build_cubin(sk.SOURCE, (9, 0))
+    assert first.exists() and first.read_bytes()[:4] == b"\x7fELF"
+    calls = []
+    monkeypatch.setattr(nvcc_build.subprocess, "run", lambda *a, **k: calls.append(a))
+    assert nvcc_build.build_cubin(sk.SOURCE, (9, 0)) == first and not calls
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_sm90_builds_use_the_arch_specific_target():
+    assert nvcc_build.target_flags((9, 0)) == ("-gencode=arch=compute_90a,code=sm_90a",)
+    assert nvcc_build.target_flags((8, 0)) == ("-gencode=arch=compute_80,code=sm_80",)
+
+
+def test_policy_never_ranks_the_unmeasured_kernel():
+    for spec in (_spec(), _spec(num_heads=128), _spec(max_q_len=2)):
+        for ranking in policy.rankings(spec, H200):
+            assert "cuda-splitk" not in ranking

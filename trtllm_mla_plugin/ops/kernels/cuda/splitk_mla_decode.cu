@@ -1,0 +1,534 @@
+// Page-balanced split-KV MLA decode for SM80+ (written for SM90): a bf16 or fp16 query
+// and a cache of the same dtype.
+//
+// Why this kernel: on the H200 every peer (FlashMLA, FlashInfer FA3, vLLM's FA3 MLA) pads
+// the query rows of one request (heads x query tokens) to a 64-row tile, so with 16 heads a
+// CTA multiplies four times the rows it needs, and each adds fixed costs (a scheduling
+// kernel, a combine kernel) that dominate typical decode shapes (docs/benchmarks.md,
+// "Issue 11"). Here a warp's mma.sync m16n8k16 tile has exactly 16 rows, the schedule is
+// computed inside the kernel from a [batch + 1] tile prefix sum (one torch.cumsum per step,
+// shared by every layer), and a request that lies inside one CTA's range is written
+// straight to the output; only cut requests go through the combine kernel.
+//
+// Layout (elements):
+//   q            [num_tokens, heads, 576] bf16 or fp16, rows of a request: qt * heads + h
+//   kv           page p at kv + p * kv_page_stride, [page_size, 576] per page, q's dtype
+//   block_table  [batch, bt_stride] int32
+//   seq_lens     [batch] int32 (tokens in the cache, this step's query tokens included)
+//   cu_q         [batch + 1] int32 query-token offsets
+//   tile_prefix  [batch + 1] int32 prefix sums of ceil(seq_len / 32)
+//   out          [num_tokens, heads, 512] q's dtype
+//   part_o       [head_blocks, 2 * num_ctas, ROWS, 512] fp32, partial output / softmax sum
+//   part_lse     [head_blocks, 2 * num_ctas, ROWS] fp32, log2-sum-exp of the partial
+//
+// Schedule: the batch's 32-token tiles are laid end to end and cut into `active` equal
+// ranges (`active` = min(num_ctas, ceil(T / min_tiles))); CTA c reads tiles
+// [c*T/active, (c+1)*T/active). A CTA cuts at most two requests (its first and its last),
+// whose partials go to slots 2c and 2c+1. Query row r of a request with L keys and n query
+// tokens sees keys < L - n + r / heads + 1 (bottom-right causal).
+//
+// No headers: the source compiles the same under nvcc and NVRTC.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+namespace {
+
+constexpr int kLatent = 512;
+constexpr int kHeadDim = 576;
+constexpr int kTile = 32;                     // KV tokens per pipeline stage
+constexpr int kChunks = kHeadDim / 8;         // 16-byte chunks per cache row (72)
+constexpr int kRowBytes = kHeadDim * 2;       // 1152
+constexpr int kTileBytes = kTile * kRowBytes; // 36864
+constexpr int kMaxBatch = 1024;
+
+}  // namespace
+
+struct SplitKParams {
+  const u16* q;
+  const u16* kv;
+  const int* block_table;
+  const int* seq_lens;
+  const int* cu_q;
+  const int* tile_prefix;
+  u16* out;
+  float* part_o;
+  float* part_lse;
+  i64 kv_page_stride;
+  int bt_stride;
+  int batch;
+  int heads;
+  int page_size;
+  int num_ctas;
+  int min_tiles;
+  float scale_log2;  // softmax scale * log2(e)
+};
+
+namespace {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// d += a (16x16, row) * b (16x8, col), 16-bit floats in (bf16 or fp16), fp32 accumulate.
+template <bool FP16>
+__device__ __forceinline__ void mma16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (FP16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats to a 16-bit pair (bf16 or fp16), `lo` in the low half (the lower address).
+template <bool FP16>
+__device__ __forceinline__ u32 pack16(float lo, float hi) {
+  u32 r;
+  if constexpr (FP16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// The schedule, shared by both kernels and host-compiled by the CPU tests
+// (tests/test_splitk_kernel_cpu.py): CTAs that get tiles, the first tile of CTA c, the CTA
+// holding tile x, and where partial results go.
+__host__ __device__ __forceinline__ int active_ctas(int total, int num_ctas, int min_tiles) {
+  const int want = (total + min_tiles - 1) / min_tiles;
+  return want < 1 ? 1 : (want < num_ctas ? want : num_ctas);
+}
+__host__ __device__ __forceinline__ int range_start(int c, int total, int active) {
+  return static_cast<int>(static_cast<i64>(c) * total / active);
+}
+// The largest c with range_start(c) <= x.
+__host__ __device__ __forceinline__ int cta_of(int x, int total, int active) {
+  return static_cast<int>((static_cast<i64>(x + 1) * active - 1) / total);
+}
+// Slot of the partial that CTA c (range starting at `start`) leaves for the request whose
+// tiles inside the range begin at `seg_first`: 2c for the request the range starts in,
+// 2c + 1 for the one it ends in.
+__host__ __device__ __forceinline__ int partial_slot(int c, int seg_first, int start) {
+  return 2 * c + (seg_first == start ? 0 : 1);
+}
+// Slot of split s of a request whose tiles start at `first`, held first by CTA `c_first`:
+// split 0 begins at `first`, later splits begin their CTA's range.
+__host__ __device__ __forceinline__ int split_slot(int s, int c_first, int first, int total,
+                                                   int active) {
+  const int c = c_first + s;
+  const int start = range_start(c, total, active);
+  return partial_slot(c, s == 0 ? first : start, start);
+}
+
+}  // namespace
+
+namespace {
+
+// Where one pipeline stage's tile comes from; `page` is loaded one iteration before use.
+struct TileSource {
+  int page;
+  int first_token;  // offset inside the page
+  int valid;        // tokens of the tile inside the request; < 0: no tile
+};
+
+}  // namespace
+
+template <bool FP16, int RG, int STAGES>
+__device__ __forceinline__ void decode_body(const SplitKParams& p) {
+  constexpr int NT = 128 * RG;
+  constexpr int ROWS = 16 * RG;
+  constexpr int ROWS_PER_PASS = NT / 8;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* s_kv = smem;
+  float4* s_part = reinterpret_cast<float4*>(smem + STAGES * kTileBytes);  // [RG][4][4][32]
+  int* s_pref = reinterpret_cast<int*>(smem + STAGES * kTileBytes + RG * 8192);
+  int* s_len = s_pref + kMaxBatch + 1;
+  int* s_cuq = s_len + kMaxBatch;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int nb = p.batch;
+  const int hb = blockIdx.y;
+
+  for (int i = tid; i <= nb; i += NT) {
+    s_pref[i] = p.tile_prefix[i];
+    s_cuq[i] = p.cu_q[i];
+    if (i < nb) s_len[i] = p.seq_lens[i];
+  }
+  __syncthreads();
+
+  const int total = s_pref[nb];
+  if (total <= 0) return;
+  const int active = active_ctas(total, p.num_ctas, p.min_tiles);
+  const int c = blockIdx.x;
+  if (c >= active) return;
+  const int start = range_start(c, total, active);
+  const int end = range_start(c + 1, total, active);
+  if (start >= end) return;
+
+  // The request holding tile `start`: the last i with s_pref[i] <= start.
+  int first_req = 0;
+  {
+    int lo = 0, hi = nb;  // s_pref[lo] <= start < s_pref[hi]
+    while (hi - lo > 1) {
+      int mid = (lo + hi) >> 1;
+      if (s_pref[mid] <= start) lo = mid; else hi = mid;
+    }
+    first_req = lo;
+  }
+
+  const u32 kv_base = smem_addr(s_kv);
+  const unsigned char* kv_bytes = reinterpret_cast<const unsigned char*>(p.kv);
+
+  int prod_req = first_req;
+  auto source_of = [&](int x) -> TileSource {
+    TileSource s;
+    if (x >= end) {
+      s.page = 0; s.first_token = 0; s.valid = -1;
+      return s;
+    }
+    while (s_pref[prod_req + 1] <= x) ++prod_req;
+    const int tok0 = (x - s_pref[prod_req]) * kTile;
+    s.page = p.block_table[static_cast<i64>(prod_req) * p.bt_stride + tok0 / p.page_size];
+    s.first_token = tok0 % p.page_size;
+    s.valid = min(kTile, s_len[prod_req] - tok0);
+    return s;
+  };
+  auto issue = [&](int stage, const TileSource& s) {
+    if (s.valid < 0) return;
+    const unsigned char* page_base =
+        kv_bytes + (static_cast<i64>(s.page) * p.kv_page_stride + static_cast<i64>(s.first_token) * kHeadDim) * 2;
+    const u32 stage_base = kv_base + stage * kTileBytes;
+#pragma unroll
+    for (int pass = 0; pass < kTile / ROWS_PER_PASS; ++pass) {
+      const int r = pass * ROWS_PER_PASS + (tid >> 3);
+      const int bytes = r < s.valid ? 16 : 0;  // zero-fill past the request's last key
+      const unsigned char* src = page_base + r * kRowBytes;
+#pragma unroll
+      for (int k = 0; k < kChunks / 8; ++k) {
+        const int ch = (tid & 7) + 8 * k;
+        cp_async16(stage_base + r * kRowBytes + ((ch ^ (r & 7)) << 4), src + ch * 16, bytes);
+      }
+    }
+  };
+
+  // Pipeline prologue: tiles start .. start + STAGES - 2 (their page ids loaded together,
+  // not one round trip each).
+  TileSource first[STAGES];
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) first[s] = source_of(start + s);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    issue(s, first[s]);
+    cp_async_commit();
+  }
+  TileSource next = first[STAGES - 1];
+
+  // Per-segment state (one segment = the tiles of one request inside this CTA's range).
+  int req = first_req;
+  int seg_first = start;
+  u32 qf[9][4];
+  float o[16][4];
+  float m[2], l[2];
+  int limit[2];
+  bool row_ok[2];
+  const int row_local[2] = {rg * 16 + g, rg * 16 + g + 8};
+
+  auto begin_segment = [&]() {
+    const int qlen = s_cuq[req + 1] - s_cuq[req];
+    const int len = s_len[req];
+    const i64 qrow0 = static_cast<i64>(s_cuq[req]) * p.heads;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int rr = hb * ROWS + row_local[h];
+      row_ok[h] = rr < qlen * p.heads;
+      limit[h] = row_ok[h] ? len - qlen + rr / p.heads + 1 : 0;
+      m[h] = neg_inf();
+      l[h] = 0.f;
+    }
+#pragma unroll
+    for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    const u32* q0 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[0]) * kHeadDim);
+    const u32* q1 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[1]) * kHeadDim);
+#pragma unroll
+    for (int ks = 0; ks < 9; ++ks) {
+      const int k0 = (wq * 144 + ks * 16 + 2 * t) >> 1;  // in bf16 pairs
+      qf[ks][0] = row_ok[0] ? __ldg(q0 + k0) : 0u;
+      qf[ks][1] = row_ok[1] ? __ldg(q1 + k0) : 0u;
+      qf[ks][2] = row_ok[0] ? __ldg(q0 + k0 + 4) : 0u;
+      qf[ks][3] = row_ok[1] ? __ldg(q1 + k0 + 4) : 0u;
+    }
+  };
+
+  auto end_segment = [&](int seg_end) {
+    const bool whole = seg_first == s_pref[req] && seg_end == s_pref[req + 1];
+    const i64 qrow0 = static_cast<i64>(s_cuq[req]) * p.heads;
+    const int slot = partial_slot(c, seg_first, start);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = quad_sum(l[h]);
+      if (!row_ok[h]) continue;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int col0 = wq * 128 + 2 * t;
+      if (whole) {
+        u16* dst = p.out + (qrow0 + hb * ROWS + row_local[h]) * kLatent + col0;
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+          *reinterpret_cast<u32*>(dst + n * 8) = pack16<FP16>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+      } else {
+        const i64 prow = (static_cast<i64>(hb) * 2 * p.num_ctas + slot) * ROWS + row_local[h];
+        float* dst = p.part_o + prow * kLatent + col0;
+#pragma unroll
+        for (int n = 0; n < 16; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+        if (wq == 0 && t == 0) p.part_lse[prow] = sum > 0.f ? m[h] + __log2f(sum) : neg_inf();
+      }
+    }
+  };
+
+  begin_segment();
+
+  for (int x = start; x < end; ++x) {
+    // Tile x sits in stage (x - start) % STAGES (the prologue filled stages 0, 1, ...).
+    issue((x - start + STAGES - 1) % STAGES, next);
+    cp_async_commit();
+    next = source_of(x + STAGES);
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+
+    if (x != start && x == s_pref[req + 1]) {
+      end_segment(x);
+      while (s_pref[req + 1] <= x) ++req;
+      seg_first = x;
+      begin_segment();
+    }
+
+    const u32 st = kv_base + ((x - start) % STAGES) * kTileBytes;
+    const int tok0 = (x - s_pref[req]) * kTile;
+
+    // Scores: this warp's 144 of the 576 dims, for all 32 tokens of the tile.
+    float s[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < 9; ++ks) {
+      const int ch0 = wq * 18 + ks * 2;
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const int tok = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int ch = ch0 + ((lane >> 3) & 1);
+        u32 b0, b1, b2, b3;
+        ldsm_x4(st + tok * kRowBytes + ((ch ^ (tok & 7)) << 4), b0, b1, b2, b3);
+        mma16<FP16>(s[2 * np], qf[ks], b0, b1);
+        mma16<FP16>(s[2 * np + 1], qf[ks], b2, b3);
+      }
+    }
+    // Sum the four warps' partial scores (same fragment layout in every warp, fixed order).
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+      s_part[((rg * 4 + wq) * 4 + n) * 32 + lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+    __syncthreads();
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      float4 acc = s_part[((rg * 4 + 0) * 4 + n) * 32 + lane];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) {
+        const float4 v = s_part[((rg * 4 + w) * 4 + n) * 32 + lane];
+        acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+      }
+      s[n][0] = acc.x; s[n][1] = acc.y; s[n][2] = acc.z; s[n][3] = acc.w;
+    }
+
+    // Online softmax in base 2; rows g (h = 0) and g + 8 (h = 1).
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = tok0 + n * 8 + 2 * t + (e & 1);
+        const float v = tok < limit[e >> 1] ? s[n][e] * p.scale_log2 : neg_inf();
+        s[n][e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    float alpha[2], msub[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], quad_max(mx[h]));
+      msub[h] = m_new == neg_inf() ? 0.f : m_new;
+      alpha[h] = exp2f(m[h] - msub[h]);
+      m[h] = m_new;
+    }
+    float rowsum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = exp2f(s[n][e] - msub[e >> 1]);
+        s[n][e] = pv;
+        rowsum[e >> 1] += pv;
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+    }
+
+    // Output: this warp's 128 of the 512 latent columns, over the tile's 32 tokens.
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const u32 pa[4] = {pack16<FP16>(s[2 * kk][0], s[2 * kk][1]), pack16<FP16>(s[2 * kk][2], s[2 * kk][3]),
+                         pack16<FP16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                         pack16<FP16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n2 = 0; n2 < 8; ++n2) {
+        const int tok = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int ch = wq * 16 + n2 * 2 + (lane >> 4);
+        u32 b0, b1, b2, b3;
+        ldsm_x4_trans(st + tok * kRowBytes + ((ch ^ (tok & 7)) << 4), b0, b1, b2, b3);
+        mma16<FP16>(o[2 * n2], pa, b0, b1);
+        mma16<FP16>(o[2 * n2 + 1], pa, b2, b3);
+      }
+    }
+    __syncthreads();  // the stage and s_part are rewritten next iteration
+  }
+  end_segment(end);
+  cp_async_wait<0>();
+}
+
+// Combines the partials of every request cut by range borders. Work item = (request,
+// 128-column chunk); a persistent grid strides over the items, skipping whole requests.
+template <bool FP16, int RG>
+__device__ __forceinline__ void combine_body(const SplitKParams& p) {
+  constexpr int ROWS = 16 * RG;
+  extern __shared__ __align__(16) float s_w[];  // [num_ctas][ROWS] weights
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hb = blockIdx.y;
+  const int total = p.tile_prefix[p.batch];
+  if (total <= 0) return;
+  const int active = active_ctas(total, p.num_ctas, p.min_tiles);
+
+  for (int item = blockIdx.x; item < p.batch * 4; item += gridDim.x) {
+    const int req = item >> 2, chunk = item & 3;
+    const int first = p.tile_prefix[req], tiles = p.tile_prefix[req + 1] - first;
+    if (tiles <= 0) continue;
+    const int c_first = cta_of(first, total, active);
+    const int splits = cta_of(first + tiles - 1, total, active) - c_first + 1;
+    if (splits <= 1) continue;
+    const i64 base = static_cast<i64>(hb) * 2 * p.num_ctas;
+    auto slot_of = [&](int s) { return split_slot(s, c_first, first, total, active); };
+
+    for (int idx = tid; idx < splits * ROWS; idx += 128) {
+      const int s = idx / ROWS, r = idx % ROWS;
+      s_w[idx] = p.part_lse[(base + slot_of(s)) * ROWS + r];
+    }
+    __syncthreads();
+    for (int r = warp; r < ROWS; r += 4) {
+      float mx = neg_inf();
+      for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, s_w[s * ROWS + r]);
+#pragma unroll
+      for (int k = 16; k; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+      const float msub = mx == neg_inf() ? 0.f : mx;
+      float sum = 0.f;
+      for (int s = lane; s < splits; s += 32) sum += exp2f(s_w[s * ROWS + r] - msub);
+#pragma unroll
+      for (int k = 16; k; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      __syncwarp();
+      for (int s = lane; s < splits; s += 32)
+        s_w[s * ROWS + r] = exp2f(s_w[s * ROWS + r] - msub) * inv;
+    }
+    __syncthreads();
+
+    const int qlen = p.cu_q[req + 1] - p.cu_q[req];
+    const i64 qrow0 = static_cast<i64>(p.cu_q[req]) * p.heads;
+    const int col = chunk * 128 + lane * 4;
+    for (int r = warp; r < ROWS; r += 4) {
+      const int rr = hb * ROWS + r;
+      if (rr >= qlen * p.heads) continue;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int s = 0; s < splits; ++s) {
+        const float w = s_w[s * ROWS + r];
+        const float4 v = *reinterpret_cast<const float4*>(
+            p.part_o + ((base + slot_of(s)) * ROWS + r) * kLatent + col);
+        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
+      }
+      u16* dst = p.out + (qrow0 + rr) * kLatent + col;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(pack16<FP16>(acc.x, acc.y), pack16<FP16>(acc.z, acc.w));
+    }
+    __syncthreads();  // s_w is rewritten by the next item
+  }
+}
+
+// Entry points with C names (looked up by name from the driver API): decode of a bf16 or
+// fp16 query and cache with RG row groups of 16 query rows per CTA (128 * RG threads) and a
+// STAGES-deep KV pipeline, and the matching combine.
+#define SPLITK_DECODE(NAME, FP16, RG, STAGES)                                              \
+  extern "C" __global__ void __launch_bounds__(128 * RG, 1)                               \
+      splitk_mla_decode_##NAME##_rg##RG##_s##STAGES(const SplitKParams p) {                \
+    decode_body<FP16, RG, STAGES>(p);                                                      \
+  }
+#define SPLITK_COMBINE(NAME, FP16, RG)                                                     \
+  extern "C" __global__ void __launch_bounds__(128)                                        \
+      splitk_mla_combine_##NAME##_rg##RG(const SplitKParams p) {                           \
+    combine_body<FP16, RG>(p);                                                             \
+  }
+#define SPLITK_DTYPE(NAME, FP16)                                                           \
+  SPLITK_DECODE(NAME, FP16, 1, 2)                                                          \
+  SPLITK_DECODE(NAME, FP16, 1, 3)                                                          \
+  SPLITK_DECODE(NAME, FP16, 1, 4)                                                          \
+  SPLITK_DECODE(NAME, FP16, 2, 2)                                                          \
+  SPLITK_DECODE(NAME, FP16, 2, 3)                                                          \
+  SPLITK_DECODE(NAME, FP16, 2, 4)                                                          \
+  SPLITK_COMBINE(NAME, FP16, 1)                                                            \
+  SPLITK_COMBINE(NAME, FP16, 2)
+
+#ifndef SPLITK_SCHEDULE_ONLY  // host builds of the schedule helpers (CPU tests) skip kernels
+SPLITK_DTYPE(bf16, false)
+SPLITK_DTYPE(fp16, true)
+#endif

@@ -1,0 +1,107 @@
+"""Compile a CUDA source to a cubin for one GPU generation with ``nvcc``, once, cached on disk.
+
+Why a cubin and not a torch extension: the plugin's CUDA kernels include no headers and
+are launched through the driver API (``cuda_driver``), so a build is one ``nvcc -cubin``
+call of a few seconds, with no C++ toolchain, ninja or torch headers involved.
+
+The cache key is the source text, the flags and ``nvcc --version``; a finished build is
+moved into place atomically, so processes that start together (tensor parallel ranks)
+may compile the same cubin at once without reading a partial file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from ...log import get_logger
+
+logger = get_logger(__name__)
+
+#: Flags every build gets (fast exp2/log2/reciprocal: the kernels' softmax tolerates them).
+BASE_FLAGS = ("-O3", "-use_fast_math", "-std=c++17")
+
+
+def find_nvcc() -> str | None:
+    """Path of ``nvcc``: ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, ``PATH``, then
+    ``/usr/local/cuda/bin``; ``None`` when there is none (cheap: no subprocess)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(var)
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = "/usr/local/cuda/bin/nvcc"
+    return default if os.access(default, os.X_OK) else None
+
+
+def target_flags(capability: tuple[int, int]) -> tuple[str, ...]:
+    """``-gencode`` for ``capability``: the arch-specific target (``sm_90a``) on SM90, whose
+    own instructions need it; plain ``sm_XY`` elsewhere."""
+    sm = f"{capability[0]}{capability[1]}"
+    suffix = "a" if capability == (9, 0) else ""
+    return (f"-gencode=arch=compute_{sm}{suffix},code=sm_{sm}{suffix}",)
+
+
+def cache_dir() -> Path:
+    """``$TRTLLM_MLA_CACHE_DIR``, else ``$XDG_CACHE_HOME/trtllm_mla_plugin``, else
+    ``~/.cache/trtllm_mla_plugin``."""
+    explicit = os.environ.get("TRTLLM_MLA_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trtllm_mla_plugin"
+
+
+@cache
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def compile_command(nvcc: str, source: Path, output: Path,
+                    capability: tuple[int, int]) -> list[str]:
+    return [nvcc, *target_flags(capability), *BASE_FLAGS, "-cubin", "-o", str(output),
+            str(source)]
+
+
+def build_cubin(source: Path, capability: tuple[int, int]) -> Path:
+    """The cubin of ``source`` for ``capability``, compiled on first use.
+
+    Raises ``RuntimeError`` naming the fix when ``nvcc`` is missing or the build fails.
+    """
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError(
+            f"{source.name} is compiled at first use and needs the CUDA toolkit's nvcc: "
+            "install it (e.g. the CUDA toolkit matching your driver) and put it on PATH or "
+            "set CUDA_HOME")
+    text = source.read_bytes()
+    key = hashlib.sha256(text + repr((target_flags(capability), BASE_FLAGS)).encode()
+                         + _nvcc_version(nvcc).encode()).hexdigest()[:20]
+    out_dir = cache_dir() / "cubin"
+    target = out_dir / f"{source.stem}-sm{capability[0]}{capability[1]}-{key}.cubin"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling %s for SM%d%d with %s (first use, a few seconds)", source.name,
+                capability[0], capability[1], nvcc)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".cubin.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(compile_command(nvcc, source, Path(tmp), capability),
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed to compile {source.name} for SM{capability[0]}"
+                               f"{capability[1]}:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target

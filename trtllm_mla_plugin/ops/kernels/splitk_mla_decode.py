@@ -1,0 +1,180 @@
+"""Host side of the CUDA split-KV decode kernel (``cuda/splitk_mla_decode.cu``).
+
+``SplitKMLADecode`` compiles the kernel for the device at first use (``nvcc_build``), owns
+the buffers its launches read (persistent, so a captured CUDA graph replays after the next
+``plan``), computes each step's tile prefix sum in ``plan`` (one small torch op per step,
+shared by every layer) and launches decode + combine in ``run``.
+
+Fixed shapes: latent 512 + RoPE 64 (DeepSeek-V2/V3, Kimi-K2), pages of a multiple of 32
+tokens, up to ``MAX_BATCH`` requests. Query rows of a request (heads x query tokens) are
+tiled 16 or 32 per CTA (``row_groups``); more rows add CTAs along the grid's y axis.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from .cuda_driver import CubinModule
+from .nvcc_build import build_cubin
+
+SOURCE = Path(__file__).with_name("cuda") / "splitk_mla_decode.cu"
+KV_LORA_RANK, ROPE_DIM = 512, 64
+HEAD_DIM = KV_LORA_RANK + ROPE_DIM
+#: KV tokens per pipeline stage; pages must hold a whole number of tiles.
+TILE_TOKENS = 32
+#: Requests per launch (the kernel keeps lengths and offsets in shared memory).
+MAX_BATCH = 1024
+STAGE_BYTES = TILE_TOKENS * HEAD_DIM * 2
+LOG2E = 1.4426950408889634
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class SplitKParams(ctypes.Structure):
+    """Mirror of ``struct SplitKParams`` in the CUDA source (``tests`` compare the layout
+    with a C++ compiler's)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("kv", ctypes.c_void_p),
+        ("block_table", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("cu_q", ctypes.c_void_p),
+        ("tile_prefix", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("part_o", ctypes.c_void_p),
+        ("part_lse", ctypes.c_void_p),
+        ("kv_page_stride", ctypes.c_int64),
+        ("bt_stride", ctypes.c_int),
+        ("batch", ctypes.c_int),
+        ("heads", ctypes.c_int),
+        ("page_size", ctypes.c_int),
+        ("num_ctas", ctypes.c_int),
+        ("min_tiles", ctypes.c_int),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """Launch choices (to be fitted on the H200; see docs/benchmarks.md).
+
+    Attributes:
+        stages: KV tiles in flight per CTA (2-4).
+        ctas_per_sm: decode CTAs per SM (one wave: the grid is ``SMs x ctas_per_sm``).
+        min_tiles: fewest 32-token tiles per CTA; small batches use fewer CTAs (fewer
+            partial results to combine).
+        combine_ctas_per_sm: CTAs of the persistent combine kernel per SM.
+    """
+
+    stages: int = 4
+    ctas_per_sm: int = 1
+    min_tiles: int = 4
+    combine_ctas_per_sm: int = 2
+
+
+def row_groups(heads: int, max_q_len: int) -> int:
+    """16-row groups per CTA: 1 when a request has at most 16 query rows, else 2."""
+    return 1 if heads * max_q_len <= 16 else 2
+
+
+def decode_shared_bytes(stages: int, groups: int) -> int:
+    """Dynamic shared memory of the decode kernel: KV stages, the cross-warp score
+    exchange (8 KiB per row group), tile prefix / lengths / query offsets."""
+    return stages * STAGE_BYTES + groups * 8192 + (3 * MAX_BATCH + 2) * 4
+
+
+@cache
+def _module(device_index: int) -> CubinModule:
+    capability = torch.cuda.get_device_capability(device_index)
+    return CubinModule(build_cubin(SOURCE, capability), torch.device("cuda", device_index))
+
+
+class SplitKMLADecode:
+    """One layer group's decode launches: ``plan`` per step, ``run`` per layer."""
+
+    def __init__(self, device: torch.device, heads: int, max_q_len: int, page_size: int,
+                 max_batch: int, dtype: torch.dtype, config: SplitKConfig | None = None
+                 ) -> None:
+        if page_size % TILE_TOKENS:
+            raise ValueError(f"block size {page_size}: the split-KV kernel needs a multiple "
+                             f"of {TILE_TOKENS}")
+        if max_batch > MAX_BATCH:
+            raise ValueError(f"max batch {max_batch}: the split-KV kernel takes up to "
+                             f"{MAX_BATCH} requests per step (lower max_num_seqs)")
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"the split-KV kernel takes bf16/fp16 queries, got {dtype}")
+        self.device = torch.device(device)
+        index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device())
+        self.config = config or SplitKConfig()
+        self.heads, self.page_size, self.dtype = heads, page_size, dtype
+        self.groups = row_groups(heads, max_q_len)
+        rows = 16 * self.groups
+        self.head_blocks = math.ceil(heads * max_q_len / rows)
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        self.num_ctas = sms * self.config.ctas_per_sm
+        self.combine_ctas = sms * self.config.combine_ctas_per_sm
+        self.decode_shared = decode_shared_bytes(self.config.stages, self.groups)
+        self.combine_shared = self.num_ctas * rows * 4
+        module = _module(index)
+        name = DTYPE_NAMES[dtype]
+        self._module = module
+        self._decode = module.function(
+            f"splitk_mla_decode_{name}_rg{self.groups}_s{self.config.stages}",
+            self.decode_shared)
+        self._combine = module.function(f"splitk_mla_combine_{name}_rg{self.groups}",
+                                        self.combine_shared)
+        #: [max_batch + 1] prefix sums of each request's 32-token tiles, written by ``plan``.
+        self.tile_prefix = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
+        slots = self.head_blocks * 2 * self.num_ctas * rows
+        #: Partial outputs (normalised) and their log2-sum-exp: two slots per CTA.
+        self.part_o = torch.empty(slots * KV_LORA_RANK, dtype=torch.float32,
+                                  device=self.device)
+        self.part_lse = torch.empty(slots, dtype=torch.float32, device=self.device)
+        self._params = SplitKParams(num_ctas=self.num_ctas, min_tiles=self.config.min_tiles,
+                                    heads=heads, page_size=page_size,
+                                    part_o=self.part_o.data_ptr(),
+                                    part_lse=self.part_lse.data_ptr(),
+                                    tile_prefix=self.tile_prefix.data_ptr())
+
+    def plan(self, seq_lens: torch.Tensor) -> None:
+        """Tile prefix sums of ``seq_lens`` ``[batch]`` int32 (device)."""
+        b = seq_lens.shape[0]
+        tiles = (seq_lens + (TILE_TOKENS - 1)) // TILE_TOKENS
+        torch.cumsum(tiles, 0, dtype=torch.int32, out=self.tile_prefix[1: b + 1])
+
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+            seq_lens: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
+            softmax_scale: float) -> torch.Tensor:
+        """Decode ``query`` ``[tokens, heads, 576]`` over ``kv_cache``
+        ``[pages, page_size, 576]`` (page stride free, rows contiguous) for the planned
+        batch: ``block_table`` ``[batch, width]`` int32 (rows contiguous), ``seq_lens``
+        ``[batch]`` and ``cu_q`` ``[batch + 1]`` int32, into contiguous ``out``
+        ``[tokens, heads, 512]``; returns ``out``."""
+        if kv_cache.stride(2) != 1 or kv_cache.stride(1) != HEAD_DIM:
+            raise ValueError("the split-KV kernel needs cache rows of 576 contiguous elements")
+        if block_table.stride(1) != 1:
+            raise ValueError("the split-KV kernel needs block-table rows contiguous")
+        p = self._params
+        p.q = query.data_ptr()
+        p.kv = kv_cache.data_ptr()
+        p.block_table = block_table.data_ptr()
+        p.seq_lens = seq_lens.data_ptr()
+        p.cu_q = cu_q.data_ptr()
+        p.out = out.data_ptr()
+        p.kv_page_stride = kv_cache.stride(0)
+        p.bt_stride = block_table.stride(0)
+        p.batch = seq_lens.shape[0]
+        p.scale_log2 = softmax_scale * LOG2E
+        threads = 128 * self.groups
+        self._module.launch(self._decode, (self.num_ctas, self.head_blocks), threads,
+                            self.decode_shared, p)
+        self._module.launch(self._combine, (self.combine_ctas, self.head_blocks), 128,
+                            self.combine_shared, p)
+        return out

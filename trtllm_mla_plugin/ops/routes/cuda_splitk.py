@@ -1,0 +1,94 @@
+"""The plugin's CUDA split-KV decode kernel (``ops.kernels.splitk_mla_decode``): 16 query
+rows per warp tile (mma.sync m16n8k16), so 16 heads fill a tile without padding; the
+page-balanced schedule is computed inside the kernel from one prefix sum per step, and a
+request inside one CTA's range is written without a combine pass.
+
+Eligibility: SM90 (where it was written and is measured), ``nvcc`` to compile it at first
+use, DeepSeek-style latent 512 + RoPE 64, bf16/fp16 query and cache of the same dtype,
+pages of a multiple of 32 tokens, up to 1024 requests per step and 16 query tokens per
+request. FP8 caches are not read yet. Which batches it serves is ``ops.policy``'s call;
+until a measured run shows where it wins, the policy ranks it nowhere (benchmarks and
+``TRTLLM_MLA_DECODE_ROUTE=cuda-splitk`` force it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.nvcc_build import find_nvcc
+from ..platform import Platform
+from ..spec import DecodeBatch, DecodeSpec, KVScales
+from .base import DecodeRoute, StagedQueryOffsets, StagedTables, check_unit_scales
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+TILE_TOKENS = 32
+MAX_BATCH = 1024
+MAX_Q_LEN = 16
+
+
+class CudaSplitKRoute(DecodeRoute):
+    name = "cuda-splitk"
+    kernel = "trtllm_mla_plugin split-KV decode, mma.sync 16-row tiles (CUDA C++, nvcc JIT)"
+
+    @classmethod
+    def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
+        if platform.kind != "cuda" or platform.capability != (9, 0):
+            return ("the CUDA split-KV kernel is built and measured for SM90 (Hopper); this is "
+                    f"{platform.describe()}")
+        if (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
+            return (f"kv_lora_rank={spec.kv_lora_rank}, rope_dim={spec.rope_dim}: the CUDA "
+                    "split-KV kernel is compiled for 512 + 64 (DeepSeek-V2/V3, Kimi-K2)")
+        if spec.q_dtype not in KERNEL_DTYPES or spec.kv_dtype != spec.q_dtype:
+            return (f"the CUDA split-KV kernel reads a bf16/fp16 query and a cache of the same "
+                    f"dtype, got {spec.q_dtype} query and {spec.kv_dtype} cache")
+        if spec.block_size % TILE_TOKENS:
+            return (f"block size {spec.block_size}: the CUDA split-KV kernel needs a multiple "
+                    f"of {TILE_TOKENS}")
+        if spec.max_q_len > MAX_Q_LEN:
+            return f"max_q_len={spec.max_q_len}: the CUDA split-KV kernel takes up to {MAX_Q_LEN}"
+        if find_nvcc() is None:
+            return ("the CUDA split-KV kernel compiles at first use and needs nvcc (install the "
+                    "CUDA toolkit, put nvcc on PATH or set CUDA_HOME)")
+        return None
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        device: torch.device,
+        max_batch_size: int,
+        cuda_graph: bool = False,
+    ) -> None:
+        super().__init__(spec, device, max_batch_size, cuda_graph)
+        if max_batch_size > MAX_BATCH:
+            raise ValueError(
+                f"max batch size {max_batch_size}: the CUDA split-KV decode route takes up "
+                f"to {MAX_BATCH} requests per step; lower max_num_seqs or pick another route")
+        from ..kernels.splitk_mla_decode import SplitKMLADecode
+
+        self.kernel_launcher = SplitKMLADecode(device, spec.num_heads, spec.max_q_len,
+                                               spec.block_size, max_batch_size, spec.q_dtype)
+        self._cu_q = StagedQueryOffsets(max_batch_size, device)
+        self._tables = StagedTables(max_batch_size, device)
+        self._tensors: tuple[torch.Tensor, ...] = ()
+
+    def plan(self, batch: DecodeBatch) -> None:
+        if self.cuda_graph:
+            block_table, seq_lens = self._tables.stage(batch)
+        else:
+            block_table = batch.block_table.to(torch.int32).contiguous()
+            seq_lens = batch.seq_lens.to(torch.int32)
+        cu_q = self._cu_q.stage(batch)
+        self.kernel_launcher.plan(seq_lens)
+        self._tensors = (block_table, seq_lens, cu_q)
+
+    def run(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+    ) -> torch.Tensor:
+        check_unit_scales(self.spec, scales)
+        block_table, seq_lens, cu_q = self._tensors
+        target = out if out.is_contiguous() else torch.empty_like(out)
+        self.kernel_launcher.run(query.contiguous(), kv_cache, block_table, seq_lens, cu_q,
+                                 target, self.spec.softmax_scale)
+        if target is not out:
+            out.copy_(target)
+        return out

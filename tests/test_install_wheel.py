@@ -122,3 +122,14 @@ def test_wheel_installs_into_fresh_env_and_vllm_loads_it(wheel, tmp_path):
     assert info["backend_file"] == str(
         fresh_site / "trtllm_mla_plugin" / "vllm_backend" / "backend.py")
     assert info["backend_name"] == "TRTLLM_MLA"
+
+
+def test_wheel_ships_the_cuda_sources_it_compiles_at_first_use(wheel):
+    import zipfile
+
+    from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SOURCE
+
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = "trtllm_mla_plugin/ops/kernels/cuda/" + SOURCE.name
+    assert shipped in names
+    assert zipfile.ZipFile(wheel).read(shipped) == SOURCE.read_bytes()

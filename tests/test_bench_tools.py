@@ -308,3 +308,13 @@ def test_paired_table_reads_the_csv_bench_engine_writes(tmp_path, capsys):
     summarize_engine.main(str(path))
     table = capsys.readouterr().out
     assert "| 16 | fp8 | 256 | FLASHMLA | 2 | 1.100*, 1.100 | 1.100 | 1.100 (-" in table
+
+
+def test_fixed_cost_fit_recovers_a_known_line():
+    import fit_fixed_cost
+
+    # 9 us fixed, 3.5 TB/s (MB/us): us = 9 + MB / 3.5, with a little symmetric noise
+    pts = [(mb, 9.0 + mb / 3.5 + (0.2 if i % 2 else -0.2)) for i, mb in
+           enumerate((10, 20, 40, 80, 160, 320, 640, 1280))]
+    fixed, tbps = fit_fixed_cost.fit(pts)
+    assert abs(fixed - 9.0) < 0.3 and abs(tbps - 3.5) < 0.02

@@ -191,7 +191,7 @@ class _StubRoute:
         self.plans.append((batch.batch_size, self.sort_by_length))
 
 
-def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16, q_len=1):
+def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16, q_len=1, max_batch=512):
     monkeypatch.setattr(decoder_mod, "platform_of", lambda device: H200)
     stubs = {}
 
@@ -207,7 +207,8 @@ def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16, q_len=1):
             "unsupported_reason": ROUTES[name].unsupported_reason,
             "kernel": ROUTES[name].kernel,
         }))
-    return MLADecoder(spec(heads, kv=kv, q_len=q_len), "cpu", 512, cuda_graph=cuda_graph), stubs
+    return (MLADecoder(spec(heads, kv=kv, q_len=q_len), "cpu", max_batch,
+                       cuda_graph=cuda_graph), stubs)
 
 
 def batch(lens, kv_tokens=True):
@@ -263,7 +264,7 @@ def test_cuda_graph_decoder_picks_by_batch_size_only(kernels_present, monkeypatc
         assert dec.route.name == ("vllm-fa3-mla" if len(lens) <= 16 else "flashmla"), len(lens)
     assert [b for b, _ in stubs["flashmla"].plans] == [128, 128, 128, 128, 32, 32, 63, 17]
     assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [1, 16]
-    assert stubs["flashinfer-fa3"].plans == []
+    assert "flashinfer-fa3" not in stubs  # never built: no batch size would run it
 
 
 def test_cuda_graph_decoder_keeps_vllm_kernel_up_to_32_requests(kernels_present, monkeypatch):
@@ -275,6 +276,35 @@ def test_cuda_graph_decoder_keeps_vllm_kernel_up_to_32_requests(kernels_present,
                         ([300] * 33, "flashmla"), ([8 * K, 2 * K] * 64, "flashmla")):
         dec.plan(batch(lens))
         assert dec.route.name == route, len(lens)
+
+
+@pytest.mark.parametrize(("heads", "q_len", "max_batch", "cuda_graph", "built"), [
+    (16, 1, 512, False, "flashinfer-fa3+flashmla+vllm-fa3-mla"),   # eager: lengths decide
+    (16, 1, 512, True, "vllm-fa3-mla+flashmla"),
+    (16, 1, 32, True, "vllm-fa3-mla"),        # no captured size above the FA3 bound
+    (16, 1, 33, True, "vllm-fa3-mla+flashmla"),
+    (8, 1, 512, True, "vllm-fa3-mla"),        # 8 query rows per request: FA3 at any size
+    (8, 2, 512, True, "vllm-fa3-mla+flashmla"),  # q_len 2 makes 16 rows per request
+    (128, 1, 512, True, "vllm-fa3-mla+flashmla"),
+])
+def test_decoder_builds_only_the_routes_its_batches_can_reach(
+        kernels_present, monkeypatch, heads, q_len, max_batch, cuda_graph, built):
+    """A CUDA-graph decoder ranks by batch size and query tokens alone, so it builds only the
+    routes some batch of up to ``max_batch`` requests can reach (no FlashInfer FA3: its 128
+    MiB workspace and sort buffers would never be used); then every batch it plans runs on a
+    route it built."""
+    dec, stubs = stub_decoder(monkeypatch, heads=heads, cuda_graph=cuda_graph, q_len=q_len,
+                              max_batch=max_batch)
+    assert dec.route_name == built
+    assert set(stubs) == set(built.split("+"))
+    for b in range(1, max_batch + 1, 7):
+        for q in range(1, q_len + 1):
+            lens = torch.full((b,), 4 * K, dtype=torch.int32)
+            dec.plan(DecodeBatch(torch.zeros(b, 512, dtype=torch.int32), lens, 4 * K,
+                                 max_q_len=q, num_tokens=b * q))
+            assert dec.route.name == policy.rank(
+                spec(heads, q_len=q_len), H200,
+                BatchShape(b, q) if cuda_graph else dec.batch_shape(dec._batch))[0]
 
 
 @pytest.mark.parametrize(("heads", "q_len", "largest_fa3_batch"), [

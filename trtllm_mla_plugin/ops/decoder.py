@@ -68,11 +68,15 @@ def choose_route(
     return _first_eligible(policy.rank(spec, platform, shape), spec, platform)
 
 
-def route_set(spec: DecodeSpec, platform: Platform) -> tuple[RouteChoice, ...]:
+def route_set(
+    spec: DecodeSpec, platform: Platform, cuda_graph: bool = False,
+    max_batch_size: int | None = None,
+) -> tuple[RouteChoice, ...]:
     """The routes a decoder may pick per batch: the first eligible route of every ranking
-    the policy can produce for ``spec``, default first, without repeats."""
+    the policy can produce for ``spec`` (with ``cuda_graph``, for batches of up to
+    ``max_batch_size`` ranked without lengths), default first, without repeats."""
     found: dict[str, RouteChoice] = {}
-    for ranking in policy.rankings(spec, platform):
+    for ranking in policy.rankings(spec, platform, cuda_graph, max_batch_size):
         choice = _first_eligible(ranking, spec, platform)
         found.setdefault(choice.name, choice)
     return tuple(found.values())
@@ -135,8 +139,12 @@ class MLADecoder:
         self.device = torch.device(device)
         self.cuda_graph = cuda_graph
         self.platform = platform_of(self.device)
-        default = choose_route(spec, self.platform, route)
-        choices = (default,) if route is not None else route_set(spec, self.platform)
+        if route is not None:
+            default = choose_route(spec, self.platform, route)
+            choices: tuple[RouteChoice, ...] = (default,)
+        else:
+            choices = route_set(spec, self.platform, cuda_graph, max_batch_size)
+            default = choices[0]
         self.routes: dict[str, DecodeRoute] = {}
         for c in choices:
             try:

@@ -235,9 +235,24 @@ def rank(
     return OTHER
 
 
-def rankings(spec: DecodeSpec, platform: Platform) -> tuple[tuple[str, ...], ...]:
+def rankings(
+    spec: DecodeSpec, platform: Platform, cuda_graph: bool = False,
+    max_batch_size: int | None = None,
+) -> tuple[tuple[str, ...], ...]:
     """Every ranking ``rank`` can return for ``spec`` on ``platform`` over all batches
-    (a decoder builds the first eligible route of each)."""
+    (a decoder builds the first eligible route of each).
+
+    ``cuda_graph``: only those of batches ranked without lengths (as a CUDA-graph decoder
+    ranks), of up to ``max_batch_size`` requests and up to ``spec.max_q_len`` query
+    tokens, in order of the first batch size that reaches each; a graph decoder then
+    allocates no route it can never run (FlashInfer FA3's workspace and sort buffers).
+    """
+    if cuda_graph and max_batch_size is not None:
+        found: dict[tuple[str, ...], None] = {}
+        for batch in range(1, max_batch_size + 1):
+            for q_len in range(1, spec.max_q_len + 1):
+                found.setdefault(rank(spec, platform, BatchShape(batch, q_len)), None)
+        return tuple(found)
     if platform.kind == "cuda" and platform.capability and platform.capability[0] == 9:
         if spec.fp8_kv:
             few_heads = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()

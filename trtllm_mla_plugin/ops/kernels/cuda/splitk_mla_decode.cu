@@ -162,6 +162,50 @@ __host__ __device__ __forceinline__ int split_slot(int s, int c_first, int first
   return partial_slot(c, s == 0 ? first : start, start);
 }
 
+// Where a tile's 16-byte chunks sit in shared memory and which ones each lane hands to
+// ldmatrix: host-compiled by the CPU tests, which run them through a model of ldmatrix and
+// mma.sync (tests/test_splitk_fragments_cpu.py). Rows of 1152 bytes put every row at the
+// same banks; XOR-ing the chunk with row % 8 spreads 8 rows over 8 bank groups.
+__host__ __device__ __forceinline__ int stage_offset(int row, int chunk) {
+  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+// cp.async: thread `tid` of `threads` copies, in pass `pass`, row load_row(...) and chunks
+// load_chunk(tid, k) for k < kChunks / 8 (8 threads per row: 128-byte runs per row).
+__host__ __device__ __forceinline__ int load_row(int pass, int tid, int threads) {
+  return pass * (threads / 8) + (tid >> 3);
+}
+__host__ __device__ __forceinline__ int load_chunk(int tid, int k) { return (tid & 7) + 8 * k; }
+// Element index (in the 576 dims) of the first of the two query values in A-fragment
+// register a0 / a1 of lane quad position t, for warp quarter wq and k-step ks (a2 / a3:
+// 8 further).
+__host__ __device__ __forceinline__ int query_dim(int wq, int ks, int t) {
+  return wq * 144 + ks * 16 + 2 * t;
+}
+// Scores: the cache row (token in the tile) and chunk whose address `lane` gives to
+// ldmatrix.x4 for k-step ks and token half np (16 tokens: n-tiles 2np and 2np + 1).
+__host__ __device__ __forceinline__ int score_token(int lane, int np) {
+  return np * 16 + (lane & 7) + ((lane >> 4) << 3);
+}
+__host__ __device__ __forceinline__ int score_chunk(int lane, int wq, int ks) {
+  return wq * 18 + ks * 2 + ((lane >> 3) & 1);
+}
+// Token (in the tile) of score fragment element e (0-3) of n-tile n held by quad position t.
+__host__ __device__ __forceinline__ int fragment_token(int n, int t, int e) {
+  return n * 8 + 2 * t + (e & 1);
+}
+// Output: the cache row and chunk whose address `lane` gives to ldmatrix.x4.trans for token
+// k-step kk and column pair n2 of warp quarter wq (n-tiles 2 n2 and 2 n2 + 1).
+__host__ __device__ __forceinline__ int value_token(int lane, int kk) {
+  return kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+}
+__host__ __device__ __forceinline__ int value_chunk(int lane, int wq, int n2) {
+  return wq * 16 + n2 * 2 + (lane >> 4);
+}
+// Latent column of output fragment n-tile n, quad position t (and the next column).
+__host__ __device__ __forceinline__ int output_column(int wq, int n, int t) {
+  return wq * 128 + n * 8 + 2 * t;
+}
+
 }  // namespace
 
 namespace {
@@ -245,13 +289,13 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     const u32 stage_base = kv_base + stage * kTileBytes;
 #pragma unroll
     for (int pass = 0; pass < kTile / ROWS_PER_PASS; ++pass) {
-      const int r = pass * ROWS_PER_PASS + (tid >> 3);
+      const int r = load_row(pass, tid, NT);
       const int bytes = r < s.valid ? 16 : 0;  // zero-fill past the request's last key
       const unsigned char* src = page_base + r * kRowBytes;
 #pragma unroll
       for (int k = 0; k < kChunks / 8; ++k) {
-        const int ch = (tid & 7) + 8 * k;
-        cp_async16(stage_base + r * kRowBytes + ((ch ^ (r & 7)) << 4), src + ch * 16, bytes);
+        const int ch = load_chunk(tid, k);
+        cp_async16(stage_base + stage_offset(r, ch), src + ch * 16, bytes);
       }
     }
   };
@@ -296,7 +340,7 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     const u32* q1 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[1]) * kHeadDim);
 #pragma unroll
     for (int ks = 0; ks < 9; ++ks) {
-      const int k0 = (wq * 144 + ks * 16 + 2 * t) >> 1;  // in bf16 pairs
+      const int k0 = query_dim(wq, ks, t) >> 1;  // in 16-bit pairs
       qf[ks][0] = row_ok[0] ? __ldg(q0 + k0) : 0u;
       qf[ks][1] = row_ok[1] ? __ldg(q1 + k0) : 0u;
       qf[ks][2] = row_ok[0] ? __ldg(q0 + k0 + 4) : 0u;
@@ -313,18 +357,19 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
       const float sum = quad_sum(l[h]);
       if (!row_ok[h]) continue;
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const int col0 = wq * 128 + 2 * t;
       if (whole) {
-        u16* dst = p.out + (qrow0 + hb * ROWS + row_local[h]) * kLatent + col0;
+        u16* dst = p.out + (qrow0 + hb * ROWS + row_local[h]) * kLatent;
 #pragma unroll
         for (int n = 0; n < 16; ++n)
-          *reinterpret_cast<u32*>(dst + n * 8) = pack16<FP16>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+          *reinterpret_cast<u32*>(dst + output_column(wq, n, t)) =
+              pack16<FP16>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
       } else {
         const i64 prow = (static_cast<i64>(hb) * 2 * p.num_ctas + slot) * ROWS + row_local[h];
-        float* dst = p.part_o + prow * kLatent + col0;
+        float* dst = p.part_o + prow * kLatent;
 #pragma unroll
         for (int n = 0; n < 16; ++n)
-          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+          *reinterpret_cast<float2*>(dst + output_column(wq, n, t)) =
+              make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
         if (wq == 0 && t == 0) p.part_lse[prow] = sum > 0.f ? m[h] + __log2f(sum) : neg_inf();
       }
     }
@@ -356,13 +401,11 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < 9; ++ks) {
-      const int ch0 = wq * 18 + ks * 2;
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
-        const int tok = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int ch = ch0 + ((lane >> 3) & 1);
         u32 b0, b1, b2, b3;
-        ldsm_x4(st + tok * kRowBytes + ((ch ^ (tok & 7)) << 4), b0, b1, b2, b3);
+        ldsm_x4(st + stage_offset(score_token(lane, np), score_chunk(lane, wq, ks)), b0, b1, b2,
+                b3);
         mma16<FP16>(s[2 * np], qf[ks], b0, b1);
         mma16<FP16>(s[2 * np + 1], qf[ks], b2, b3);
       }
@@ -389,7 +432,7 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     for (int n = 0; n < 4; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int tok = tok0 + n * 8 + 2 * t + (e & 1);
+        const int tok = tok0 + fragment_token(n, t, e);
         const float v = tok < limit[e >> 1] ? s[n][e] * p.scale_log2 : neg_inf();
         s[n][e] = v;
         mx[e >> 1] = fmaxf(mx[e >> 1], v);
@@ -427,10 +470,9 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
                          pack16<FP16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
       for (int n2 = 0; n2 < 8; ++n2) {
-        const int tok = kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int ch = wq * 16 + n2 * 2 + (lane >> 4);
         u32 b0, b1, b2, b3;
-        ldsm_x4_trans(st + tok * kRowBytes + ((ch ^ (tok & 7)) << 4), b0, b1, b2, b3);
+        ldsm_x4_trans(st + stage_offset(value_token(lane, kk), value_chunk(lane, wq, n2)), b0,
+                      b1, b2, b3);
         mma16<FP16>(o[2 * n2], pa, b0, b1);
         mma16<FP16>(o[2 * n2 + 1], pa, b2, b3);
       }

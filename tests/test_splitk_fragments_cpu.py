@@ -1,0 +1,161 @@
+"""The CUDA split-KV kernel's fragment addressing, checked on the CPU: the kernel's own
+address helpers (host-compiled from ``splitk_mla_decode.cu`` by
+``tests/cuda/splitk_fragment_harness.cu``) drive a model of the PTX instructions the kernel
+issues, and one tile's scores and output must equal numpy's ``Q K^T`` and ``P V``.
+
+The model follows the PTX ISA's fragment layouts (lane = 4 * group + t):
+* ``ldmatrix.m8n8.x4.b16``: lanes 8j..8j+7 give the row addresses of matrix j; lane l gets,
+  from each matrix, the 32-bit word ``l % 4`` of row ``l / 4``. With ``.trans`` it gets the
+  16-bit elements (row 2(l % 4), column l / 4) and (row 2(l % 4) + 1, column l / 4).
+* ``mma.m16n8k16.row.col``: A[g][2t + e] = a0, A[g + 8][..] = a1, A[g][2t + 8 + e] = a2,
+  A[g + 8][2t + 8 + e] = a3; B[2t + e][g] = b0, B[2t + 8 + e][g] = b1; C[g][2t + e] = c0/c1,
+  C[g + 8][2t + e] = c2/c3 (e = 0, 1: the two 16-bit halves, low first).
+Shared memory holds the id of the value stored in each 16-bit slot, so a misplaced address
+shows as a wrong product, not as a coincidence of values.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trtllm_mla_plugin.ops.kernels import nvcc_build
+
+HARNESS = Path(__file__).with_name("cuda") / "splitk_fragment_harness.cu"
+NVCC = nvcc_build.find_nvcc()
+pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
+TOKENS, DIMS, LATENT = 32, 576, 512
+
+
+@pytest.fixture(scope="module")
+def addresses(tmp_path_factory) -> dict[str, list[list[int]]]:
+    exe = tmp_path_factory.mktemp("frag") / "harness"
+    subprocess.run([NVCC, *nvcc_build.target_flags((9, 0)), "-DSPLITK_SCHEDULE_ONLY", "-O1",
+                    "-std=c++17", "-o", str(exe), str(HARNESS)], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    table: dict[str, list[list[int]]] = defaultdict(list)
+    for line in out.splitlines():
+        kind, *vals = line.split()
+        table[kind].append([int(v) for v in vals])
+    return table
+
+
+def _shared_tile(writes: list[list[int]]) -> np.ndarray:
+    """16-bit slots of one stage -> id ``token * DIMS + dim`` of the value cp.async put there
+    (-1: never written)."""
+    slots = np.full(TOKENS * DIMS, -1, dtype=np.int64)
+    for row, chunk, offset in writes:
+        assert offset % 16 == 0
+        for e in range(8):
+            assert slots[offset // 2 + e] == -1, "two copies write one slot"
+            slots[offset // 2 + e] = row * DIMS + chunk * 8 + e
+    return slots
+
+
+def _ldmatrix(slots: np.ndarray, row_addr: list[int], trans: bool) -> np.ndarray:
+    """[32 lanes, 4 matrices, 2 halves] value ids."""
+    got = np.empty((32, 4, 2), dtype=np.int64)
+    for lane in range(32):
+        for j in range(4):
+            if trans:
+                for e in range(2):
+                    got[lane, j, e] = slots[row_addr[8 * j + 2 * (lane % 4) + e] // 2 + lane // 4]
+            else:
+                base = row_addr[8 * j + lane // 4] // 2 + 2 * (lane % 4)
+                got[lane, j] = slots[base: base + 2]
+    return got
+
+
+def _mma(a: np.ndarray, b0: np.ndarray, b1: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a [32, 4, 2], b0/b1 [32, 2], c [32, 4] values -> d [32, 4]."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for e in range(2):
+            A[g, 2 * t + e], A[g + 8, 2 * t + e] = a[lane, 0, e], a[lane, 1, e]
+            A[g, 2 * t + 8 + e], A[g + 8, 2 * t + 8 + e] = a[lane, 2, e], a[lane, 3, e]
+            B[2 * t + e, g], B[2 * t + 8 + e, g] = b0[lane, e], b1[lane, e]
+            C[g, 2 * t + e], C[g + 8, 2 * t + e] = c[lane, e], c[lane, 2 + e]
+    D = A @ B + C
+    d = np.empty((32, 4))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        d[lane, :2], d[lane, 2:] = D[g, 2 * t: 2 * t + 2], D[g + 8, 2 * t: 2 * t + 2]
+    return d
+
+
+def test_one_tile_of_scores_and_output_equals_numpy(addresses):
+    rng = np.random.default_rng(7)
+    kv = rng.standard_normal((TOKENS, DIMS))
+    q = rng.standard_normal((16, DIMS))
+    slots = _shared_tile(addresses["W"])
+    assert (slots >= 0).all(), "some slots of the stage are never written"
+    value = kv.reshape(-1)
+
+    qdim = {(wq, ks, t): d for wq, ks, t, d in addresses["Q"]}
+    kaddr = defaultdict(list)
+    for wq, ks, np_, _lane, off in addresses["K"]:
+        kaddr[wq, ks, np_].append(off)
+    # Scores: each warp quarter its 144 dims, then summed over the four warps.
+    s = np.zeros((4, 32, 4))
+    for wq in range(4):
+        for ks in range(9):
+            a = np.empty((32, 4, 2))
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                d = qdim[wq, ks, t]
+                a[lane] = [q[g, d: d + 2], q[g + 8, d: d + 2], q[g, d + 8: d + 10],
+                           q[g + 8, d + 8: d + 10]]
+            for np_ in range(2):
+                b = value[_ldmatrix(slots, kaddr[wq, ks, np_], trans=False)]
+                s[2 * np_] = _mma(a, b[:, 0], b[:, 1], s[2 * np_])
+                s[2 * np_ + 1] = _mma(a, b[:, 2], b[:, 3], s[2 * np_ + 1])
+    token = {(n, t, e): tok for n, t, e, tok in addresses["F"]}
+    scores = np.full((16, TOKENS), np.nan)
+    for n in range(4):
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for e in range(4):
+                scores[g + 8 * (e // 2), token[n, t, e]] = s[n, lane, e]
+    np.testing.assert_allclose(scores, q @ kv.T, rtol=1e-12, atol=1e-10)
+
+    # Output: P (any function of the score fragments) times V, each warp its 128 columns.
+    p = np.tanh(s)
+    vaddr = defaultdict(list)
+    for wq, kk, n2, _lane, off in addresses["V"]:
+        vaddr[wq, kk, n2].append(off)
+    column = {(wq, n, t): c for wq, n, t, c in addresses["O"]}
+    out = np.full((16, LATENT), np.nan)
+    for wq in range(4):
+        o = np.zeros((16, 32, 4))
+        for kk in range(2):
+            pa = np.stack([p[2 * kk][:, :2], p[2 * kk][:, 2:], p[2 * kk + 1][:, :2],
+                           p[2 * kk + 1][:, 2:]], axis=1)
+            for n2 in range(8):
+                b = value[_ldmatrix(slots, vaddr[wq, kk, n2], trans=True)]
+                o[2 * n2] = _mma(pa, b[:, 0], b[:, 1], o[2 * n2])
+                o[2 * n2 + 1] = _mma(pa, b[:, 2], b[:, 3], o[2 * n2 + 1])
+        for n in range(16):
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                c = column[wq, n, t]
+                out[g, c: c + 2], out[g + 8, c: c + 2] = o[n, lane, :2], o[n, lane, 2:]
+    np.testing.assert_allclose(out, np.tanh(scores) @ kv[:, :LATENT], rtol=1e-12, atol=1e-10)
+
+
+def test_ldmatrix_reads_hit_eight_bank_groups(addresses):
+    """Eight lanes of one ldmatrix phase read 16 bytes each: conflict-free when the eight
+    addresses fall in eight different 16-byte groups of a 128-byte bank line."""
+    for kind in ("K", "V"):
+        by_call = defaultdict(list)
+        for *key, _lane, off in addresses[kind]:
+            by_call[tuple(key)].append(off)
+        for offs in by_call.values():
+            for j in range(4):
+                groups = {(off // 16) % 8 for off in offs[8 * j: 8 * j + 8]}
+                assert len(groups) == 8, (kind, offs[8 * j: 8 * j + 8])

@@ -21,12 +21,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+from trtllm_mla_plugin.ops import KVScales
 from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig, SplitKMLADecode
 
 from mla_cases import errors, make_problem, reference
 
-BF16 = torch.bfloat16
-#: (label, heads, lens, q_len, block, config): each step adds one thing to the one before.
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+SCALED = KVScales(q_scale=2.0, k_scale=0.5, v_scale=0.25)
+#: (label, heads, lens, q_len, block, config[, scales]): each step adds one thing to the one
+#: before; with scales the cache is FP8 e4m3 (read with the bf16 query).
 LADDER = [
     ("one tile, one request, h16", 16, [32], 1, 64, SplitKConfig(min_tiles=1)),
     ("partial tile (len 5)", 16, [5], 1, 64, SplitKConfig(min_tiles=1)),
@@ -47,25 +50,36 @@ LADDER = [
     ("2 stages, 2 CTAs per SM", 16, [700, 3000, 9000, 5], 1, 64,
      SplitKConfig(stages=2, ctas_per_sm=2)),
     ("3 stages", 16, [700, 3000, 9000, 5], 1, 64, SplitKConfig(stages=3)),
+    ("FP8 cache: one tile, unit scales", 16, [32], 1, 64, SplitKConfig(min_tiles=1),
+     KVScales()),
+    ("FP8 cache: ragged, scaled", 16, [1, 63, 64, 65, 700, 3000, 9000, 40], 1, 64,
+     SplitKConfig(), SCALED),
+    ("FP8 cache: 32 heads, q_len 2, page 32", 32, [700, 3000, 2], 2, 32, SplitKConfig(),
+     SCALED),
+    ("FP8 cache: 4 stages", 16, [700, 3000, 9000, 5], 1, 64, SplitKConfig(stages=4), SCALED),
 ]
-QUICK = {0, 1, 6, 8, 11}
+QUICK = {0, 1, 6, 8, 11, 16, 17}
 
 
-def run_case(label, heads, lens, q_len, block, config, device) -> bool:
+def run_case(label, heads, lens, q_len, block, config, scales=None, *, device) -> bool:
     torch.manual_seed(0)
+    kv_dtype = BF16 if scales is None else FP8
     p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_len, dtype=BF16,
-                     kv_dtype=BF16, device=device)
+                     kv_dtype=kv_dtype, scales=scales or KVScales(), device=device)
     b = len(lens)
-    kernel = SplitKMLADecode(device, heads, q_len, block, b, BF16, config)
+    kernel = SplitKMLADecode(device, heads, q_len, block, b, BF16, config, kv_dtype=kv_dtype)
     cu = torch.arange(b + 1, dtype=torch.int32, device=device) * q_len
     out = torch.full((b * q_len, heads, 512), float("nan"), dtype=BF16, device=device)
     kernel.plan(p.batch.seq_lens)
+    s = p.scales
     kernel.run(p.query, p.kv_cache, p.batch.block_table, p.batch.seq_lens, cu, out,
-               p.spec.softmax_scale)
+               p.spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
     torch.cuda.synchronize()
     ref = reference(p)
     unwritten = (~torch.isfinite(out)).any(-1)
     rel, worst = errors(torch.nan_to_num(out, nan=0.0), ref)
+    # bf16 bounds of tests/gpu/mla_cases.py; FP8 caches read with the bf16 query are held
+    # to them too (the reference reads the same stored values)
     ok = rel < 1e-2 and worst < 2e-2 and not unwritten.any()
     print(f"{'ok  ' if ok else 'FAIL'} {label:45} rel {rel:.2e} max {worst:.2e}", flush=True)
     if not ok:

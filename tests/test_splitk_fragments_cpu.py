@@ -10,8 +10,10 @@ The model follows the PTX ISA's fragment layouts (lane = 4 * group + t):
 * ``mma.m16n8k16.row.col``: A[g][2t + e] = a0, A[g + 8][..] = a1, A[g][2t + 8 + e] = a2,
   A[g + 8][2t + 8 + e] = a3; B[2t + e][g] = b0, B[2t + 8 + e][g] = b1; C[g][2t + e] = c0/c1,
   C[g + 8][2t + e] = c2/c3 (e = 0, 1: the two 16-bit halves, low first).
-Shared memory holds the id of the value stored in each 16-bit slot, so a misplaced address
-shows as a wrong product, not as a coincidence of values.
+Shared memory holds the id of the value stored in each 16-bit slot (each byte for FP8
+caches), so a misplaced address shows as a wrong product, not as a coincidence of values.
+FP8 caches add ``cvt.rn.f16x2.e4m3x2`` (low byte to the low half) and ``prmt`` (PTX byte
+selectors, as ``__byte_perm``); e4m3 widens to fp16 exactly, so values are tracked as is.
 """
 
 from __future__ import annotations
@@ -155,6 +157,112 @@ def test_ldmatrix_reads_hit_eight_bank_groups(addresses):
         by_call = defaultdict(list)
         for *key, _lane, off in addresses[kind]:
             by_call[tuple(key)].append(off)
+        for offs in by_call.values():
+            for j in range(4):
+                groups = {(off // 16) % 8 for off in offs[8 * j: 8 * j + 8]}
+                assert len(groups) == 8, (kind, offs[8 * j: 8 * j + 8])
+
+
+def _shared_tile8(writes: list[list[int]]) -> np.ndarray:
+    """Bytes of one FP8 stage -> value id ``token * DIMS + dim`` (-1: never written)."""
+    slots = np.full(TOKENS * DIMS, -1, dtype=np.int64)
+    for row, chunk, offset in writes:
+        assert offset % 16 == 0
+        for e in range(16):
+            assert slots[offset + e] == -1, "two copies write one byte"
+            slots[offset + e] = row * DIMS + chunk * 16 + e
+    return slots
+
+
+def _ldmatrix8(slots: np.ndarray, row_addr: list[int], trans: bool) -> np.ndarray:
+    """ldmatrix over FP8 bytes: [32 lanes, 4 matrices, 4 bytes] value ids, byte 0 lowest."""
+    got = np.empty((32, 4, 4), dtype=np.int64)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for j in range(4):
+            if trans:  # 16-bit elements (row 2t, column g) and (row 2t + 1, column g)
+                for e in range(2):
+                    base = row_addr[8 * j + 2 * t + e] + 2 * g
+                    got[lane, j, 2 * e: 2 * e + 2] = slots[base: base + 2]
+            else:
+                base = row_addr[8 * j + g] + 4 * t
+                got[lane, j] = slots[base: base + 4]
+    return got
+
+
+def _byte_perm(word: np.ndarray, selector: int) -> np.ndarray:
+    """``__byte_perm(word, 0, selector)`` on [..., 4] byte ids (selectors 0-3 only)."""
+    return np.stack([word[..., (selector >> (4 * i)) & 0xF] for i in range(4)], axis=-1)
+
+
+def test_fp8_tile_scores_and_output_equal_numpy(addresses):
+    rng = np.random.default_rng(8)
+    kv = rng.standard_normal((TOKENS, DIMS))
+    q = rng.standard_normal((16, DIMS))
+    slots = _shared_tile8(addresses["W8"])
+    assert (slots >= 0).all(), "some bytes of the stage are never written"
+    value = kv.reshape(-1)
+    qdim = {(wq, ks, t): d for wq, ks, t, d in addresses["Q8"]}
+    kaddr = defaultdict(list)
+    for wq, ks, _lane, off in addresses["K8"]:
+        kaddr[wq, ks].append(off)
+    s = np.zeros((4, 32, 4))
+    for wq in range(4):
+        for ks in range(9):
+            a = np.empty((32, 4, 2))
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                d = qdim[wq, ks, t]
+                a[lane] = [q[g, d: d + 2], q[g + 8, d: d + 2], q[g, d + 2: d + 4],
+                           q[g + 8, d + 2: d + 4]]
+            w = value[_ldmatrix8(slots, kaddr[wq, ks], trans=False)]
+            for j in range(4):  # b0 = bytes 0-1 (low 16 bits), b1 = bytes 2-3
+                s[j] = _mma(a, w[:, j, 0:2], w[:, j, 2:4], s[j])
+    token = {(n, t, e): tok for n, t, e, tok in addresses["F"]}
+    scores = np.full((16, TOKENS), np.nan)
+    for n in range(4):
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for e in range(4):
+                scores[g + 8 * (e // 2), token[n, t, e]] = s[n, lane, e]
+    np.testing.assert_allclose(scores, q @ kv.T, rtol=1e-12, atol=1e-10)
+
+    p = np.tanh(s)
+    vaddr = defaultdict(list)
+    for wq, kk, cp, _lane, off in addresses["V8"]:
+        vaddr[wq, kk, cp].append(off)
+    column = {(wq, cc, t): c for wq, cc, t, c in addresses["O8"]}
+    out = np.full((16, LATENT), np.nan)
+    for wq in range(4):
+        o = np.zeros((16, 32, 4))
+        for kk in range(2):
+            pa = np.stack([p[2 * kk][:, :2], p[2 * kk][:, 2:], p[2 * kk + 1][:, :2],
+                           p[2 * kk + 1][:, 2:]], axis=1)
+            for cp in range(4):
+                w = _byte_perm(_ldmatrix8(slots, vaddr[wq, kk, cp], trans=True),
+                               addresses["P"][0][0])
+                w = value[w]
+                for half in range(2):
+                    lo, hi = w[:, 2 * half], w[:, 2 * half + 1]
+                    cc = cp * 2 + half
+                    o[2 * cc] = _mma(pa, lo[:, 0:2], hi[:, 0:2], o[2 * cc])
+                    o[2 * cc + 1] = _mma(pa, lo[:, 2:4], hi[:, 2:4], o[2 * cc + 1])
+        for cc in range(8):
+            even, odd = o[2 * cc], o[2 * cc + 1]
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                c = column[wq, cc, t]
+                out[g, c: c + 4] = [even[lane, 0], odd[lane, 0], even[lane, 1], odd[lane, 1]]
+                out[g + 8, c: c + 4] = [even[lane, 2], odd[lane, 2], even[lane, 3],
+                                        odd[lane, 3]]
+    np.testing.assert_allclose(out, np.tanh(scores) @ kv[:, :LATENT], rtol=1e-12, atol=1e-10)
+
+
+def test_fp8_ldmatrix_reads_hit_eight_bank_groups(addresses):
+    for kind, key_len in (("K8", 2), ("V8", 3)):
+        by_call = defaultdict(list)
+        for row in addresses[kind]:
+            by_call[tuple(row[:key_len])].append(row[-1])
         for offs in by_call.values():
             for j in range(4):
                 groups = {(off // 16) % 8 for off in offs[8 * j: 8 * j + 8]}

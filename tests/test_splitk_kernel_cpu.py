@@ -49,20 +49,22 @@ def ptxas_report(tmp_path_factory) -> dict[str, tuple[int, int, int]]:
     return report
 
 
+VARIANTS = [(fp8, stages) for fp8 in (False, True) for stages in sk.STAGES[fp8]]
+
+
 @needs_nvcc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("groups", [1, 2])
-@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("fp8_kv,stages", VARIANTS)
 def test_every_entry_point_compiles_for_sm90_without_spills(ptxas_report, dtype, groups,
-                                                            stages):
-    name = sk.DTYPE_NAMES[dtype]
-    decode = ptxas_report[f"splitk_mla_decode_{name}_rg{groups}_s{stages}"]
-    combine = ptxas_report[f"splitk_mla_combine_{name}_rg{groups}"]
+                                                            fp8_kv, stages):
+    decode = ptxas_report[sk.decode_kernel_name(dtype, fp8_kv, groups, stages)]
+    combine = ptxas_report[f"splitk_mla_combine_{sk.DTYPE_NAMES[dtype]}_rg{groups}"]
     for regs, spill_st, spill_ld in (decode, combine):
         assert regs <= 255 and spill_st == 0 and spill_ld == 0
     # One CTA of 128 * groups threads must fit the SM's 64K registers.
     assert decode[0] * 128 * groups <= 65536
-    assert sk.decode_shared_bytes(stages, groups) <= 227 * 1024
+    assert sk.decode_shared_bytes(stages, groups, fp8_kv) <= 227 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +184,9 @@ def test_route_serves_bf16_and_fp16_deepseek_shapes_on_sm90(monkeypatch):
                         lambda: "/usr/bin/nvcc")
     reason = ROUTES["cuda-splitk"].unsupported_reason
     for kw in ({}, {"q_dtype": torch.float16, "kv_dtype": torch.float16},
-               {"num_heads": 128, "block_size": 32}, {"max_q_len": 4}):
+               {"num_heads": 128, "block_size": 32}, {"max_q_len": 4},
+               {"kv_dtype": torch.float8_e4m3fn},
+               {"q_dtype": torch.float16, "kv_dtype": torch.float8_e4m3fn}):
         assert reason(_spec(**kw), H200) is None, kw
 
 
@@ -190,7 +194,7 @@ def test_route_serves_bf16_and_fp16_deepseek_shapes_on_sm90(monkeypatch):
     ({}, Platform("cuda", (10, 0), "NVIDIA B200"), "SM90"),
     ({}, Platform("cuda", (8, 0), "NVIDIA A100"), "SM90"),
     ({}, Platform("cpu", None, "cpu"), "SM90"),
-    ({"kv_dtype": torch.float8_e4m3fn}, H200, "same dtype"),
+    ({"q_dtype": torch.float8_e4m3fn, "kv_dtype": torch.float8_e4m3fn}, H200, "same dtype"),
     ({"block_size": 16}, H200, "multiple of 32"),
     ({"kv_lora_rank": 256}, H200, "512 + 64"),
     ({"max_q_len": 17}, H200, "up to 16"),
@@ -230,6 +234,8 @@ def test_sm90_builds_use_the_arch_specific_target():
 
 
 def test_policy_never_ranks_the_unmeasured_kernel():
-    for spec in (_spec(), _spec(num_heads=128), _spec(max_q_len=2)):
-        for ranking in policy.rankings(spec, H200):
+    for spec in (_spec(), _spec(num_heads=128), _spec(max_q_len=2),
+                 _spec(kv_dtype=torch.float8_e4m3fn)):
+        for ranking in (*policy.rankings(spec, H200),
+                        *policy.rankings(spec, H200, cuda_graph=True, max_batch_size=256)):
             assert "cuda-splitk" not in ranking

@@ -36,5 +36,28 @@ int main() {
   for (int wq = 0; wq < 4; ++wq)
     for (int n = 0; n < 16; ++n)
       for (int t = 0; t < 4; ++t) std::printf("O %d %d %d %d\n", wq, n, t, output_column(wq, n, t));
+  // FP8 caches: one byte per element.
+  std::printf("P %u\n", kEvenOddBytes);
+  for (int row = 0; row < kTile; ++row)
+    for (int chunk = 0; chunk < kChunks8; ++chunk)
+      std::printf("W8 %d %d %d\n", row, chunk, stage_offset8(row, chunk));
+  for (int wq = 0; wq < 4; ++wq)
+    for (int ks = 0; ks < 9; ++ks)
+      for (int t = 0; t < 4; ++t)
+        std::printf("Q8 %d %d %d %d\n", wq, ks, t, query_dim8(wq, ks, t));
+  for (int wq = 0; wq < 4; ++wq)
+    for (int ks = 0; ks < 9; ++ks)
+      for (int lane = 0; lane < 32; ++lane)
+        std::printf("K8 %d %d %d %d\n", wq, ks, lane, stage_offset8(lane, score_chunk8(wq, ks)));
+  for (int wq = 0; wq < 4; ++wq)
+    for (int kk = 0; kk < 2; ++kk)
+      for (int cp = 0; cp < 4; ++cp)
+        for (int lane = 0; lane < 32; ++lane)
+          std::printf("V8 %d %d %d %d %d\n", wq, kk, cp, lane,
+                      stage_offset8(value_token(lane, kk), value_chunk8(lane, wq, cp)));
+  for (int wq = 0; wq < 4; ++wq)
+    for (int cc = 0; cc < 8; ++cc)
+      for (int t = 0; t < 4; ++t)
+        std::printf("O8 %d %d %d %d\n", wq, cc, t, output_column8(wq, cc, t));
   return 0;
 }

@@ -100,7 +100,7 @@ def _sweep_problem(route: str, seed: int) -> tuple[Problem, str]:
     spec_rng = random.Random(f"{route}/spec/{seed // group}")
     rng = random.Random(f"{route}/{seed}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    paged_fp8 = route.startswith("flashinfer") or route == "triton-balanced"
+    paged_fp8 = route.startswith("flashinfer") or route in ("triton-balanced", "cuda-splitk")
     blocks = {"flashmla": [64], "flashmla-fp8": [64], "triton-balanced": [16, 32, 64, 64, 64],
               "cuda-splitk": [32, 64, 64, 64]}
     block = spec_rng.choice(blocks.get(route, [1, 16, 32, 64, 64, 64]))

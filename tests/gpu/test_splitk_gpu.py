@@ -1,7 +1,8 @@
 """The CUDA split-KV kernel (route ``cuda-splitk``) where its schedule is stressed: one long
 request cut over every CTA, the largest batch it takes, query rows that do not fill a
 16-row tile, every launch configuration, and seeded random batches of up to 512 requests
-(the route sweep in test_reliability_gpu.py stops at 32). All against float64."""
+(the route sweep in test_reliability_gpu.py stops at 32); FP8 caches read with the bf16
+query at bf16-query accuracy (issue 11's aim: <= 5e-3 relative). All against float64."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import pytest
 import torch
 
+from trtllm_mla_plugin.ops import KVScales
 from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import (
     SplitKConfig,
     SplitKMLADecode,
@@ -21,7 +23,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-BF16, FP16 = torch.bfloat16, torch.float16
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+#: FP8 cache read with the 16-bit query: the error the bf16 routes have (issue 11's aim).
+FP8_BF16_QUERY_REL = 5e-3
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else None
 
 
@@ -30,19 +34,22 @@ def _check(p, config: SplitKConfig | None = None, tag: str = "") -> tuple[float,
         pytest.skip(reason)
     b = p.batch.batch_size
     kernel = SplitKMLADecode(DEVICE, p.spec.num_heads, p.spec.max_q_len, p.spec.block_size,
-                             b, p.spec.q_dtype, config)
+                             b, p.spec.q_dtype, config, kv_dtype=p.spec.kv_dtype)
     cu = p.batch.cu_seqlens_q
     if cu is None:
         cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * p.batch.max_q_len
     out = torch.full((p.query.shape[0], p.spec.num_heads, 512), float("nan"),
                      dtype=p.spec.q_dtype, device=DEVICE)
     kernel.plan(p.batch.seq_lens)
+    s = p.scales
     kernel.run(p.query, p.kv_cache, p.batch.block_table, p.batch.seq_lens, cu, out,
-               p.spec.softmax_scale)
+               p.spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"{tag}: rows left unwritten (NaN poison)"
     rel, worst = errors(out, reference(p))
     rel_bound, max_bound = bounds(p)
+    if p.spec.fp8_kv:
+        rel_bound = FP8_BF16_QUERY_REL
     print(f"[splitk {tag}] rel={rel:.2e} max={worst:.2e}")
     assert rel < rel_bound and worst < max_bound, (tag, rel, worst)
     return rel, worst
@@ -80,6 +87,14 @@ def test_every_launch_configuration(stages: int, ctas_per_sm: int, min_tiles: in
            tag=f"s{stages} c{ctas_per_sm} m{min_tiles}")
 
 
+@pytest.mark.parametrize("stages", [4, 8])
+@pytest.mark.parametrize("scales", [KVScales(), KVScales(2.0, 0.5, 0.25)])
+def test_fp8_cache_with_the_bf16_query(stages: int, scales: KVScales) -> None:
+    p = make_problem(heads=16, block=64, lens=[1, 63, 64, 65, 700, 3000, 9000, 40], q_lens=1,
+                     dtype=BF16, kv_dtype=FP8, scales=scales, device=DEVICE)
+    _check(p, SplitKConfig(stages=stages), tag=f"fp8 s{stages} {scales}")
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_seeded_random_batches(seed: int) -> None:
     rng = random.Random(f"splitk/{seed}")
@@ -91,6 +106,9 @@ def test_seeded_random_batches(seed: int) -> None:
     ctx = min(ctx, max(64, 400_000 // (b * q_len)))
     lens = [max(q_len, rng.randint(1, ctx)) for _ in range(b)]
     dtype = rng.choice([BF16, BF16, FP16])
+    kv_dtype = FP8 if seed % 3 == 2 else dtype
+    scales = KVScales(rng.choice([1.0, 2.0]), 2 ** rng.uniform(-2, 1), 2 ** rng.uniform(-2, 1))
     p = make_problem(heads=heads, block=rng.choice([32, 64]), lens=lens, q_lens=q_len,
-                     dtype=dtype, kv_dtype=dtype, device=DEVICE)
-    _check(p, tag=f"seed {seed} h{heads} q{q_len} b{b} ctx{ctx}")
+                     dtype=dtype, kv_dtype=kv_dtype,
+                     scales=scales if kv_dtype == FP8 else KVScales(), device=DEVICE)
+    _check(p, tag=f"seed {seed} h{heads} q{q_len} b{b} ctx{ctx} kv {kv_dtype}")

@@ -6,8 +6,10 @@ the buffers its launches read (persistent, so a captured CUDA graph replays afte
 shared by every layer) and launches decode + combine in ``run``.
 
 Fixed shapes: latent 512 + RoPE 64 (DeepSeek-V2/V3, Kimi-K2), pages of a multiple of 32
-tokens, up to ``MAX_BATCH`` requests. Query rows of a request (heads x query tokens) are
-tiled 16 or 32 per CTA (``row_groups``); more rows add CTAs along the grid's y axis.
+tokens, up to ``MAX_BATCH`` requests. The cache is the query's dtype (bf16/fp16) or FP8 e4m3
+read with the bf16/fp16 query (products in fp16: e4m3 widens to fp16 exactly). Query rows
+of a request (heads x query tokens) are tiled 16 or 32 per CTA (``row_groups``); more rows
+add CTAs along the grid's y axis.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 TILE_TOKENS = 32
 #: Requests per launch (the kernel keeps lengths and offsets in shared memory).
 MAX_BATCH = 1024
-STAGE_BYTES = TILE_TOKENS * HEAD_DIM * 2
 LOG2E = 1.4426950408889634
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+FP8 = torch.float8_e4m3fn
+#: Pipeline depths compiled per cache kind (an FP8 tile is half the bytes).
+STAGES = {False: (2, 3, 4), True: (4, 8)}
 
 
 class SplitKParams(ctypes.Structure):
@@ -57,6 +61,8 @@ class SplitKParams(ctypes.Structure):
         ("num_ctas", ctypes.c_int),
         ("min_tiles", ctypes.c_int),
         ("scale_log2", ctypes.c_float),
+        ("q_prescale", ctypes.c_float),
+        ("out_scale", ctypes.c_float),
     ]
 
 
@@ -65,14 +71,15 @@ class SplitKConfig:
     """Launch choices (to be fitted on the H200; see docs/benchmarks.md).
 
     Attributes:
-        stages: KV tiles in flight per CTA (2-4).
+        stages: KV tiles in flight per CTA (``STAGES``: 2-4 for 16-bit caches, 4 or 8 for
+            FP8; ``None``: 4, or 8 for FP8).
         ctas_per_sm: decode CTAs per SM (one wave: the grid is ``SMs x ctas_per_sm``).
         min_tiles: fewest 32-token tiles per CTA; small batches use fewer CTAs (fewer
             partial results to combine).
         combine_ctas_per_sm: CTAs of the persistent combine kernel per SM.
     """
 
-    stages: int = 4
+    stages: int | None = None
     ctas_per_sm: int = 1
     min_tiles: int = 4
     combine_ctas_per_sm: int = 2
@@ -83,10 +90,19 @@ def row_groups(heads: int, max_q_len: int) -> int:
     return 1 if heads * max_q_len <= 16 else 2
 
 
-def decode_shared_bytes(stages: int, groups: int) -> int:
+def stage_bytes(fp8_kv: bool) -> int:
+    return TILE_TOKENS * HEAD_DIM * (1 if fp8_kv else 2)
+
+
+def decode_shared_bytes(stages: int, groups: int, fp8_kv: bool = False) -> int:
     """Dynamic shared memory of the decode kernel: KV stages, the cross-warp score
     exchange (8 KiB per row group), tile prefix / lengths / query offsets."""
-    return stages * STAGE_BYTES + groups * 8192 + (3 * MAX_BATCH + 2) * 4
+    return stages * stage_bytes(fp8_kv) + groups * 8192 + (3 * MAX_BATCH + 2) * 4
+
+
+def decode_kernel_name(dtype: torch.dtype, fp8_kv: bool, groups: int, stages: int) -> str:
+    return (f"splitk_mla_decode_{DTYPE_NAMES[dtype]}{'_fp8kv' if fp8_kv else ''}"
+            f"_rg{groups}_s{stages}")
 
 
 @cache
@@ -99,8 +115,8 @@ class SplitKMLADecode:
     """One layer group's decode launches: ``plan`` per step, ``run`` per layer."""
 
     def __init__(self, device: torch.device, heads: int, max_q_len: int, page_size: int,
-                 max_batch: int, dtype: torch.dtype, config: SplitKConfig | None = None
-                 ) -> None:
+                 max_batch: int, dtype: torch.dtype, config: SplitKConfig | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         if page_size % TILE_TOKENS:
             raise ValueError(f"block size {page_size}: the split-KV kernel needs a multiple "
                              f"of {TILE_TOKENS}")
@@ -109,6 +125,11 @@ class SplitKMLADecode:
                              f"{MAX_BATCH} requests per step (lower max_num_seqs)")
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"the split-KV kernel takes bf16/fp16 queries, got {dtype}")
+        kv_dtype = kv_dtype or dtype
+        if kv_dtype not in (dtype, FP8):
+            raise ValueError(f"the split-KV kernel reads a {dtype} or FP8 e4m3 cache, got "
+                             f"{kv_dtype}")
+        self.fp8_kv = kv_dtype == FP8
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device())
@@ -120,14 +141,16 @@ class SplitKMLADecode:
         sms = torch.cuda.get_device_properties(index).multi_processor_count
         self.num_ctas = sms * self.config.ctas_per_sm
         self.combine_ctas = sms * self.config.combine_ctas_per_sm
-        self.decode_shared = decode_shared_bytes(self.config.stages, self.groups)
+        stages = self.config.stages or (8 if self.fp8_kv else 4)
+        if stages not in STAGES[self.fp8_kv]:
+            raise ValueError(f"stages={stages}: compiled depths are {STAGES[self.fp8_kv]}")
+        self.decode_shared = decode_shared_bytes(stages, self.groups, self.fp8_kv)
         self.combine_shared = self.num_ctas * rows * 4
         module = _module(index)
         name = DTYPE_NAMES[dtype]
         self._module = module
         self._decode = module.function(
-            f"splitk_mla_decode_{name}_rg{self.groups}_s{self.config.stages}",
-            self.decode_shared)
+            decode_kernel_name(dtype, self.fp8_kv, self.groups, stages), self.decode_shared)
         self._combine = module.function(f"splitk_mla_combine_{name}_rg{self.groups}",
                                         self.combine_shared)
         #: [max_batch + 1] prefix sums of each request's 32-token tiles, written by ``plan``.
@@ -151,12 +174,14 @@ class SplitKMLADecode:
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
-            softmax_scale: float) -> torch.Tensor:
+            softmax_scale: float, q_scale: float = 1.0, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         """Decode ``query`` ``[tokens, heads, 576]`` over ``kv_cache``
         ``[pages, page_size, 576]`` (page stride free, rows contiguous) for the planned
         batch: ``block_table`` ``[batch, width]`` int32 (rows contiguous), ``seq_lens``
         ``[batch]`` and ``cu_q`` ``[batch + 1]`` int32, into contiguous ``out``
-        ``[tokens, heads, 512]``; returns ``out``."""
+        ``[tokens, heads, 512]``; returns ``out``. Scores are ``query * q_scale`` dot
+        ``cache * k_scale``, values ``cache[..., :512] * v_scale`` (FP8 caches; 1 otherwise)."""
         if kv_cache.stride(2) != 1 or kv_cache.stride(1) != HEAD_DIM:
             raise ValueError("the split-KV kernel needs cache rows of 576 contiguous elements")
         if block_table.stride(1) != 1:
@@ -171,7 +196,14 @@ class SplitKMLADecode:
         p.kv_page_stride = kv_cache.stride(0)
         p.bt_stride = block_table.stride(0)
         p.batch = seq_lens.shape[0]
-        p.scale_log2 = softmax_scale * LOG2E
+        if self.fp8_kv:
+            # the query enters the fp16 product pre-scaled (log2 units), the FP8 scales after
+            p.q_prescale = softmax_scale * LOG2E
+            p.scale_log2 = q_scale * k_scale
+        else:
+            p.q_prescale = 1.0
+            p.scale_log2 = softmax_scale * LOG2E * q_scale * k_scale
+        p.out_scale = v_scale
         threads = 128 * self.groups
         self._module.launch(self._decode, (self.num_ctas, self.head_blocks), threads,
                             self.decode_shared, p)

@@ -4,9 +4,10 @@ page-balanced schedule is computed inside the kernel from one prefix sum per ste
 request inside one CTA's range is written without a combine pass.
 
 Eligibility: SM90 (where it was written and is measured), ``nvcc`` to compile it at first
-use, DeepSeek-style latent 512 + RoPE 64, bf16/fp16 query and cache of the same dtype,
-pages of a multiple of 32 tokens, up to 1024 requests per step and 16 query tokens per
-request. FP8 caches are not read yet. Which batches it serves is ``ops.policy``'s call;
+use, DeepSeek-style latent 512 + RoPE 64, a bf16/fp16 query over a cache of the same dtype
+or of FP8 e4m3 (read with the 16-bit query: bf16-query accuracy, unlike FlashMLA's FP8
+kernel), pages of a multiple of 32 tokens, up to 1024 requests per step and 16 query
+tokens per request. Which batches it serves is ``ops.policy``'s call;
 until a measured run shows where it wins, the policy ranks it nowhere (benchmarks and
 ``TRTLLM_MLA_DECODE_ROUTE=cuda-splitk`` force it).
 """
@@ -19,6 +20,8 @@ from ..kernels.nvcc_build import find_nvcc
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
 from .base import DecodeRoute, StagedQueryOffsets, StagedTables, check_unit_scales
+
+FP8 = torch.float8_e4m3fn
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 TILE_TOKENS = 32
@@ -38,9 +41,9 @@ class CudaSplitKRoute(DecodeRoute):
         if (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
             return (f"kv_lora_rank={spec.kv_lora_rank}, rope_dim={spec.rope_dim}: the CUDA "
                     "split-KV kernel is compiled for 512 + 64 (DeepSeek-V2/V3, Kimi-K2)")
-        if spec.q_dtype not in KERNEL_DTYPES or spec.kv_dtype != spec.q_dtype:
-            return (f"the CUDA split-KV kernel reads a bf16/fp16 query and a cache of the same "
-                    f"dtype, got {spec.q_dtype} query and {spec.kv_dtype} cache")
+        if spec.q_dtype not in KERNEL_DTYPES or spec.kv_dtype not in (spec.q_dtype, FP8):
+            return (f"the CUDA split-KV kernel reads a bf16/fp16 query over a cache of the same "
+                    f"dtype or FP8 e4m3, got {spec.q_dtype} query and {spec.kv_dtype} cache")
         if spec.block_size % TILE_TOKENS:
             return (f"block size {spec.block_size}: the CUDA split-KV kernel needs a multiple "
                     f"of {TILE_TOKENS}")
@@ -66,7 +69,8 @@ class CudaSplitKRoute(DecodeRoute):
         from ..kernels.splitk_mla_decode import SplitKMLADecode
 
         self.kernel_launcher = SplitKMLADecode(device, spec.num_heads, spec.max_q_len,
-                                               spec.block_size, max_batch_size, spec.q_dtype)
+                                               spec.block_size, max_batch_size, spec.q_dtype,
+                                               kv_dtype=spec.kv_dtype)
         self._cu_q = StagedQueryOffsets(max_batch_size, device)
         self._tables = StagedTables(max_batch_size, device)
         self._tensors: tuple[torch.Tensor, ...] = ()
@@ -88,7 +92,8 @@ class CudaSplitKRoute(DecodeRoute):
         block_table, seq_lens, cu_q = self._tensors
         target = out if out.is_contiguous() else torch.empty_like(out)
         self.kernel_launcher.run(query.contiguous(), kv_cache, block_table, seq_lens, cu_q,
-                                 target, self.spec.softmax_scale)
+                                 target, self.spec.softmax_scale, scales.q_scale,
+                                 scales.k_scale, scales.v_scale)
         if target is not out:
             out.copy_(target)
         return out

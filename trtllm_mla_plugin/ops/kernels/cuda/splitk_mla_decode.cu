@@ -42,6 +42,10 @@ constexpr int kChunks = kHeadDim / 8;         // 16-byte chunks per cache row (7
 constexpr int kRowBytes = kHeadDim * 2;       // 1152
 constexpr int kTileBytes = kTile * kRowBytes; // 36864
 constexpr int kMaxBatch = 1024;
+// FP8 (e4m3) caches: one byte per element.
+constexpr int kRowBytes8 = kHeadDim;             // 576
+constexpr int kChunks8 = kHeadDim / 16;          // 36
+constexpr int kTileBytes8 = kTile * kRowBytes8;  // 18432
 
 }  // namespace
 
@@ -62,7 +66,9 @@ struct SplitKParams {
   int page_size;
   int num_ctas;
   int min_tiles;
-  float scale_log2;  // softmax scale * log2(e)
+  float scale_log2;  // score -> log2 units: softmax scale * log2(e); FP8 caches: q_scale * k_scale
+  float q_prescale;  // FP8 caches: the query is multiplied by this (softmax scale * log2(e))
+  float out_scale;   // output multiplier: v_scale for FP8 caches, else 1
 };
 
 namespace {
@@ -122,6 +128,26 @@ __device__ __forceinline__ u32 pack16(float lo, float hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   }
   return r;
+}
+
+// Two e4m3 values (low byte first) to an fp16 pair, exactly.
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 pair) {
+  u32 r;
+  const u16 bits = static_cast<u16>(pair);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(bits));
+  return r;
+}
+
+template <bool FP16>
+__device__ __forceinline__ float to_float(u32 bits16) {
+  if constexpr (FP16) {
+    float f;
+    const u16 h = static_cast<u16>(bits16);
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+    return f;
+  } else {
+    return __uint_as_float(bits16 << 16);
+  }
 }
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -206,6 +232,34 @@ __host__ __device__ __forceinline__ int output_column(int wq, int n, int t) {
   return wq * 128 + n * 8 + 2 * t;
 }
 
+// FP8 caches. Rows of 576 bytes: row r starts in bank group 4 * (r % 2); XOR-ing the chunk
+// (36 per row, groups of 4) with (r / 2) % 4 puts 8 consecutive rows on 8 bank groups.
+__host__ __device__ __forceinline__ int stage_offset8(int row, int chunk) {
+  return row * kRowBytes8 + ((chunk ^ ((row >> 1) & 3)) << 4);
+}
+// Scores: ldmatrix.x4 over the tile's four n-tiles at one 16-dim chunk (lane = token); each
+// lane gets 4 bytes = dims 4t .. 4t + 3, i.e. the B pairs (4t, 4t + 1) and (4t + 2, 4t + 3),
+// so the query's A pairs are taken at the same dims (query_dim8).
+__host__ __device__ __forceinline__ int score_chunk8(int wq, int ks) { return wq * 9 + ks; }
+__host__ __device__ __forceinline__ int query_dim8(int wq, int ks, int t) {
+  return wq * 144 + ks * 16 + 4 * t;
+}
+// Output: ldmatrix.x4.trans over 16-bit pairs of dims: (tokens 0-7 | 8-15) x (chunk c0 |
+// c0 + 1) of k-step kk, c0 = value_chunk8's base for chunk pair cp of warp quarter wq. A
+// lane gets tokens 2t, 2t + 1 at dims 2g, 2g + 1 of the chunk; split by a byte permute into
+// an n-tile of the chunk's even dims and one of its odd dims.
+// __byte_perm selector turning those 4 bytes (V[2t][2g], V[2t][2g+1], V[2t+1][2g],
+// V[2t+1][2g+1]) into (even dim's two tokens | odd dim's two tokens).
+constexpr unsigned kEvenOddBytes = 0x3120;
+__host__ __device__ __forceinline__ int value_chunk8(int lane, int wq, int cp) {
+  return wq * 8 + cp * 2 + (lane >> 4);
+}
+// First of the four consecutive latent columns a quad position t holds for chunk cc of warp
+// quarter wq: (even n-tile c0, odd c0, even c1, odd c1).
+__host__ __device__ __forceinline__ int output_column8(int wq, int cc, int t) {
+  return wq * 128 + cc * 16 + 4 * t;
+}
+
 }  // namespace
 
 namespace {
@@ -219,16 +273,21 @@ struct TileSource {
 
 }  // namespace
 
-template <bool FP16, int RG, int STAGES>
+// FP16: the query (and output) is fp16, else bf16. KV8: the cache is FP8 e4m3 (products in
+// fp16: e4m3 widens to fp16 exactly; the query is scaled by q_prescale first), else the
+// query's dtype.
+template <bool FP16, bool KV8, int RG, int STAGES>
 __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   constexpr int NT = 128 * RG;
   constexpr int ROWS = 16 * RG;
   constexpr int ROWS_PER_PASS = NT / 8;
+  constexpr int TILE_BYTES = KV8 ? kTileBytes8 : kTileBytes;
+  constexpr bool MMA_FP16 = FP16 || KV8;
 
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* s_kv = smem;
-  float4* s_part = reinterpret_cast<float4*>(smem + STAGES * kTileBytes);  // [RG][4][4][32]
-  int* s_pref = reinterpret_cast<int*>(smem + STAGES * kTileBytes + RG * 8192);
+  float4* s_part = reinterpret_cast<float4*>(smem + STAGES * TILE_BYTES);  // [RG][4][4][32]
+  int* s_pref = reinterpret_cast<int*>(smem + STAGES * TILE_BYTES + RG * 8192);
   int* s_len = s_pref + kMaxBatch + 1;
   int* s_cuq = s_len + kMaxBatch;
 
@@ -284,9 +343,19 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   };
   auto issue = [&](int stage, const TileSource& s) {
     if (s.valid < 0) return;
-    const unsigned char* page_base =
-        kv_bytes + (static_cast<i64>(s.page) * p.kv_page_stride + static_cast<i64>(s.first_token) * kHeadDim) * 2;
-    const u32 stage_base = kv_base + stage * kTileBytes;
+    const i64 first = static_cast<i64>(s.page) * p.kv_page_stride +
+                      static_cast<i64>(s.first_token) * kHeadDim;  // elements
+    const u32 stage_base = kv_base + stage * TILE_BYTES;
+    if constexpr (KV8) {
+      const unsigned char* page_base = kv_bytes + first;
+      for (int i = tid; i < kTile * kChunks8; i += NT) {
+        const int r = i / kChunks8, ch = i - r * kChunks8;
+        cp_async16(stage_base + stage_offset8(r, ch), page_base + r * kRowBytes8 + ch * 16,
+                   r < s.valid ? 16 : 0);
+      }
+      return;
+    }
+    const unsigned char* page_base = kv_bytes + first * 2;
 #pragma unroll
     for (int pass = 0; pass < kTile / ROWS_PER_PASS; ++pass) {
       const int r = load_row(pass, tid, NT);
@@ -338,13 +407,30 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     const u32* q0 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[0]) * kHeadDim);
     const u32* q1 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[1]) * kHeadDim);
+    if constexpr (KV8) {
+      // dims 4t .. 4t + 3 of each k-step (query_dim8), scaled, as fp16 pairs
 #pragma unroll
-    for (int ks = 0; ks < 9; ++ks) {
-      const int k0 = query_dim(wq, ks, t) >> 1;  // in 16-bit pairs
-      qf[ks][0] = row_ok[0] ? __ldg(q0 + k0) : 0u;
-      qf[ks][1] = row_ok[1] ? __ldg(q1 + k0) : 0u;
-      qf[ks][2] = row_ok[0] ? __ldg(q0 + k0 + 4) : 0u;
-      qf[ks][3] = row_ok[1] ? __ldg(q1 + k0 + 4) : 0u;
+      for (int ks = 0; ks < 9; ++ks) {
+        const int k0 = query_dim8(wq, ks, t) >> 1;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32* qr = h ? q1 : q0;
+          const uint2 v = row_ok[h] ? __ldg(reinterpret_cast<const uint2*>(qr + k0))
+                                    : make_uint2(0u, 0u);
+          const float sc = p.q_prescale;
+          qf[ks][h] = pack16<true>(to_float<FP16>(v.x & 0xffffu) * sc, to_float<FP16>(v.x >> 16) * sc);
+          qf[ks][2 + h] = pack16<true>(to_float<FP16>(v.y & 0xffffu) * sc, to_float<FP16>(v.y >> 16) * sc);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 9; ++ks) {
+        const int k0 = query_dim(wq, ks, t) >> 1;  // in 16-bit pairs
+        qf[ks][0] = row_ok[0] ? __ldg(q0 + k0) : 0u;
+        qf[ks][1] = row_ok[1] ? __ldg(q1 + k0) : 0u;
+        qf[ks][2] = row_ok[0] ? __ldg(q0 + k0 + 4) : 0u;
+        qf[ks][3] = row_ok[1] ? __ldg(q1 + k0 + 4) : 0u;
+      }
     }
   };
 
@@ -356,20 +442,37 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     for (int h = 0; h < 2; ++h) {
       const float sum = quad_sum(l[h]);
       if (!row_ok[h]) continue;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      if (whole) {
-        u16* dst = p.out + (qrow0 + hb * ROWS + row_local[h]) * kLatent;
+      const float inv = sum > 0.f ? p.out_scale / sum : 0.f;
+      const i64 prow = (static_cast<i64>(hb) * 2 * p.num_ctas + slot) * ROWS + row_local[h];
+      u16* out_row = p.out + (qrow0 + hb * ROWS + row_local[h]) * kLatent;
+      float* part_row = p.part_o + prow * kLatent;
+      if constexpr (KV8) {
+        // chunk cc: even-dim n-tile o[2cc], odd-dim o[2cc + 1] -> 4 consecutive columns
+#pragma unroll
+        for (int cc = 0; cc < 8; ++cc) {
+          const float* e = o[2 * cc];
+          const float* d = o[2 * cc + 1];
+          const float v0 = e[2 * h] * inv, v1 = d[2 * h] * inv;
+          const float v2 = e[2 * h + 1] * inv, v3 = d[2 * h + 1] * inv;
+          const int col = output_column8(wq, cc, t);
+          if (whole)
+            *reinterpret_cast<uint2*>(out_row + col) =
+                make_uint2(pack16<FP16>(v0, v1), pack16<FP16>(v2, v3));
+          else
+            *reinterpret_cast<float4*>(part_row + col) = make_float4(v0, v1, v2, v3);
+        }
+      } else if (whole) {
 #pragma unroll
         for (int n = 0; n < 16; ++n)
-          *reinterpret_cast<u32*>(dst + output_column(wq, n, t)) =
+          *reinterpret_cast<u32*>(out_row + output_column(wq, n, t)) =
               pack16<FP16>(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
       } else {
-        const i64 prow = (static_cast<i64>(hb) * 2 * p.num_ctas + slot) * ROWS + row_local[h];
-        float* dst = p.part_o + prow * kLatent;
 #pragma unroll
         for (int n = 0; n < 16; ++n)
-          *reinterpret_cast<float2*>(dst + output_column(wq, n, t)) =
+          *reinterpret_cast<float2*>(part_row + output_column(wq, n, t)) =
               make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+      }
+      if (!whole) {
         if (wq == 0 && t == 0) p.part_lse[prow] = sum > 0.f ? m[h] + __log2f(sum) : neg_inf();
       }
     }
@@ -392,22 +495,33 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
       begin_segment();
     }
 
-    const u32 st = kv_base + ((x - start) % STAGES) * kTileBytes;
+    const u32 st = kv_base + ((x - start) % STAGES) * TILE_BYTES;
     const int tok0 = (x - s_pref[req]) * kTile;
 
     // Scores: this warp's 144 of the 576 dims, for all 32 tokens of the tile.
     float s[4][4];
 #pragma unroll
     for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    if constexpr (KV8) {
 #pragma unroll
-    for (int ks = 0; ks < 9; ++ks) {
+      for (int ks = 0; ks < 9; ++ks) {
+        u32 w[4];  // n-tile j: token 8j + g, dims 4t .. 4t + 3 of the chunk
+        ldsm_x4(st + stage_offset8(lane, score_chunk8(wq, ks)), w[0], w[1], w[2], w[3]);
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        u32 b0, b1, b2, b3;
-        ldsm_x4(st + stage_offset(score_token(lane, np), score_chunk(lane, wq, ks)), b0, b1, b2,
-                b3);
-        mma16<FP16>(s[2 * np], qf[ks], b0, b1);
-        mma16<FP16>(s[2 * np + 1], qf[ks], b2, b3);
+        for (int j = 0; j < 4; ++j)
+          mma16<true>(s[j], qf[ks], e4m3x2_to_f16x2(w[j]), e4m3x2_to_f16x2(w[j] >> 16));
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 9; ++ks) {
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          u32 b0, b1, b2, b3;
+          ldsm_x4(st + stage_offset(score_token(lane, np), score_chunk(lane, wq, ks)), b0, b1,
+                  b2, b3);
+          mma16<FP16>(s[2 * np], qf[ks], b0, b1);
+          mma16<FP16>(s[2 * np + 1], qf[ks], b2, b3);
+        }
       }
     }
     // Sum the four warps' partial scores (same fragment layout in every warp, fixed order).
@@ -465,16 +579,36 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     // Output: this warp's 128 of the 512 latent columns, over the tile's 32 tokens.
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      const u32 pa[4] = {pack16<FP16>(s[2 * kk][0], s[2 * kk][1]), pack16<FP16>(s[2 * kk][2], s[2 * kk][3]),
-                         pack16<FP16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                         pack16<FP16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      const u32 pa[4] = {pack16<MMA_FP16>(s[2 * kk][0], s[2 * kk][1]),
+                         pack16<MMA_FP16>(s[2 * kk][2], s[2 * kk][3]),
+                         pack16<MMA_FP16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                         pack16<MMA_FP16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      if constexpr (KV8) {
 #pragma unroll
-      for (int n2 = 0; n2 < 8; ++n2) {
-        u32 b0, b1, b2, b3;
-        ldsm_x4_trans(st + stage_offset(value_token(lane, kk), value_chunk(lane, wq, n2)), b0,
-                      b1, b2, b3);
-        mma16<FP16>(o[2 * n2], pa, b0, b1);
-        mma16<FP16>(o[2 * n2 + 1], pa, b2, b3);
+        for (int cp = 0; cp < 4; ++cp) {
+          u32 w[4];  // (tokens 0-7 | 8-15) x (chunk c0 | c0 + 1): bytes V[2t][2g], V[2t][2g+1],
+                     // V[2t+1][2g], V[2t+1][2g+1]
+          ldsm_x4_trans(st + stage_offset8(value_token(lane, kk), value_chunk8(lane, wq, cp)),
+                        w[0], w[1], w[2], w[3]);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            // low 16 bits: the even dim's two tokens, high: the odd dim's
+            const u32 lo = __byte_perm(w[2 * half], 0, kEvenOddBytes);
+            const u32 hi = __byte_perm(w[2 * half + 1], 0, kEvenOddBytes);
+            const int cc = cp * 2 + half;
+            mma16<true>(o[2 * cc], pa, e4m3x2_to_f16x2(lo), e4m3x2_to_f16x2(hi));
+            mma16<true>(o[2 * cc + 1], pa, e4m3x2_to_f16x2(lo >> 16), e4m3x2_to_f16x2(hi >> 16));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int n2 = 0; n2 < 8; ++n2) {
+          u32 b0, b1, b2, b3;
+          ldsm_x4_trans(st + stage_offset(value_token(lane, kk), value_chunk(lane, wq, n2)), b0,
+                        b1, b2, b3);
+          mma16<FP16>(o[2 * n2], pa, b0, b1);
+          mma16<FP16>(o[2 * n2 + 1], pa, b2, b3);
+        }
       }
     }
     __syncthreads();  // the stage and s_part are rewritten next iteration
@@ -548,12 +682,12 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
 }
 
 // Entry points with C names (looked up by name from the driver API): decode of a bf16 or
-// fp16 query and cache with RG row groups of 16 query rows per CTA (128 * RG threads) and a
-// STAGES-deep KV pipeline, and the matching combine.
-#define SPLITK_DECODE(NAME, FP16, RG, STAGES)                                              \
+// fp16 query over a cache of the same dtype or of FP8 e4m3 ("_fp8kv"), with RG row groups of
+// 16 query rows per CTA (128 * RG threads) and a STAGES-deep KV pipeline; and the combine.
+#define SPLITK_DECODE(NAME, FP16, KV8, RG, STAGES)                                         \
   extern "C" __global__ void __launch_bounds__(128 * RG, 1)                               \
       splitk_mla_decode_##NAME##_rg##RG##_s##STAGES(const SplitKParams p) {                \
-    decode_body<FP16, RG, STAGES>(p);                                                      \
+    decode_body<FP16, KV8, RG, STAGES>(p);                                                 \
   }
 #define SPLITK_COMBINE(NAME, FP16, RG)                                                     \
   extern "C" __global__ void __launch_bounds__(128)                                        \
@@ -561,16 +695,20 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
     combine_body<FP16, RG>(p);                                                             \
   }
 #define SPLITK_DTYPE(NAME, FP16)                                                           \
-  SPLITK_DECODE(NAME, FP16, 1, 2)                                                          \
-  SPLITK_DECODE(NAME, FP16, 1, 3)                                                          \
-  SPLITK_DECODE(NAME, FP16, 1, 4)                                                          \
-  SPLITK_DECODE(NAME, FP16, 2, 2)                                                          \
-  SPLITK_DECODE(NAME, FP16, 2, 3)                                                          \
-  SPLITK_DECODE(NAME, FP16, 2, 4)                                                          \
+  SPLITK_DECODE(NAME, FP16, false, 1, 2)                                                   \
+  SPLITK_DECODE(NAME, FP16, false, 1, 3)                                                   \
+  SPLITK_DECODE(NAME, FP16, false, 1, 4)                                                   \
+  SPLITK_DECODE(NAME, FP16, false, 2, 2)                                                   \
+  SPLITK_DECODE(NAME, FP16, false, 2, 3)                                                   \
+  SPLITK_DECODE(NAME, FP16, false, 2, 4)                                                   \
+  SPLITK_DECODE(NAME##_fp8kv, FP16, true, 1, 4)                                            \
+  SPLITK_DECODE(NAME##_fp8kv, FP16, true, 1, 8)                                            \
+  SPLITK_DECODE(NAME##_fp8kv, FP16, true, 2, 4)                                            \
+  SPLITK_DECODE(NAME##_fp8kv, FP16, true, 2, 8)                                            \
   SPLITK_COMBINE(NAME, FP16, 1)                                                            \
   SPLITK_COMBINE(NAME, FP16, 2)
 
-#ifndef SPLITK_SCHEDULE_ONLY  // host builds of the schedule helpers (CPU tests) skip kernels
+#ifndef SPLITK_SCHEDULE_ONLY  // host builds of the helpers (CPU tests) skip kernels
 SPLITK_DTYPE(bf16, false)
 SPLITK_DTYPE(fp16, true)
 #endif

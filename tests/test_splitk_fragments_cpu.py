@@ -91,6 +91,44 @@ def _mma(a: np.ndarray, b0: np.ndarray, b1: np.ndarray, c: np.ndarray) -> np.nda
     return d
 
 
+def _query_a(q: np.ndarray, qdim: dict, wq: int, ks: int, second: int) -> np.ndarray:
+    """A fragment [32, 4, 2] of the query for warp quarter wq, k-step ks: pairs at the
+    harness's dims d (a0, a1) and d + ``second`` (a2, a3)."""
+    a = np.empty((32, 4, 2))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        d = qdim[wq, ks, t]
+        a[lane] = [q[g, d: d + 2], q[g + 8, d: d + 2], q[g, d + second: d + second + 2],
+                   q[g + 8, d + second: d + second + 2]]
+    return a
+
+
+def _score_matrix(s: np.ndarray, addresses: dict) -> np.ndarray:
+    """Score fragments [4 n-tiles, 32, 4] -> [16 rows, TOKENS] by the kernel's tokens."""
+    token = {(n, t, e): tok for n, t, e, tok in addresses["F"]}
+    scores = np.full((16, TOKENS), np.nan)
+    for n in range(4):
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for e in range(4):
+                scores[g + 8 * (e // 2), token[n, t, e]] = s[n, lane, e]
+    return scores
+
+
+def _p_fragment(p: np.ndarray, kk: int) -> np.ndarray:
+    """A fragment of P for token k-step kk, from the score fragments (as the kernel packs)."""
+    return np.stack([p[2 * kk][:, :2], p[2 * kk][:, 2:], p[2 * kk + 1][:, :2],
+                     p[2 * kk + 1][:, 2:]], axis=1)
+
+
+def _by_call(rows: list[list[int]], key_len: int) -> dict[tuple, list[int]]:
+    """Harness rows (key..., lane, offset) -> per key, the 32 lanes' offsets."""
+    calls: dict[tuple, list[int]] = defaultdict(list)
+    for row in rows:
+        calls[tuple(row[:key_len])].append(row[-1])
+    return calls
+
+
 def test_one_tile_of_scores_and_output_equals_numpy(addresses):
     rng = np.random.default_rng(7)
     kv = rng.standard_normal((TOKENS, DIMS))
@@ -100,44 +138,28 @@ def test_one_tile_of_scores_and_output_equals_numpy(addresses):
     value = kv.reshape(-1)
 
     qdim = {(wq, ks, t): d for wq, ks, t, d in addresses["Q"]}
-    kaddr = defaultdict(list)
-    for wq, ks, np_, _lane, off in addresses["K"]:
-        kaddr[wq, ks, np_].append(off)
+    kaddr = _by_call(addresses["K"], 3)
     # Scores: each warp quarter its 144 dims, then summed over the four warps.
     s = np.zeros((4, 32, 4))
     for wq in range(4):
         for ks in range(9):
-            a = np.empty((32, 4, 2))
-            for lane in range(32):
-                g, t = divmod(lane, 4)
-                d = qdim[wq, ks, t]
-                a[lane] = [q[g, d: d + 2], q[g + 8, d: d + 2], q[g, d + 8: d + 10],
-                           q[g + 8, d + 8: d + 10]]
+            a = _query_a(q, qdim, wq, ks, 8)
             for np_ in range(2):
                 b = value[_ldmatrix(slots, kaddr[wq, ks, np_], trans=False)]
                 s[2 * np_] = _mma(a, b[:, 0], b[:, 1], s[2 * np_])
                 s[2 * np_ + 1] = _mma(a, b[:, 2], b[:, 3], s[2 * np_ + 1])
-    token = {(n, t, e): tok for n, t, e, tok in addresses["F"]}
-    scores = np.full((16, TOKENS), np.nan)
-    for n in range(4):
-        for lane in range(32):
-            g, t = divmod(lane, 4)
-            for e in range(4):
-                scores[g + 8 * (e // 2), token[n, t, e]] = s[n, lane, e]
+    scores = _score_matrix(s, addresses)
     np.testing.assert_allclose(scores, q @ kv.T, rtol=1e-12, atol=1e-10)
 
     # Output: P (any function of the score fragments) times V, each warp its 128 columns.
     p = np.tanh(s)
-    vaddr = defaultdict(list)
-    for wq, kk, n2, _lane, off in addresses["V"]:
-        vaddr[wq, kk, n2].append(off)
+    vaddr = _by_call(addresses["V"], 3)
     column = {(wq, n, t): c for wq, n, t, c in addresses["O"]}
     out = np.full((16, LATENT), np.nan)
     for wq in range(4):
         o = np.zeros((16, 32, 4))
         for kk in range(2):
-            pa = np.stack([p[2 * kk][:, :2], p[2 * kk][:, 2:], p[2 * kk + 1][:, :2],
-                           p[2 * kk + 1][:, 2:]], axis=1)
+            pa = _p_fragment(p, kk)
             for n2 in range(8):
                 b = value[_ldmatrix(slots, vaddr[wq, kk, n2], trans=True)]
                 o[2 * n2] = _mma(pa, b[:, 0], b[:, 1], o[2 * n2])
@@ -154,10 +176,7 @@ def test_ldmatrix_reads_hit_eight_bank_groups(addresses):
     """Eight lanes of one ldmatrix phase read 16 bytes each: conflict-free when the eight
     addresses fall in eight different 16-byte groups of a 128-byte bank line."""
     for kind in ("K", "V"):
-        by_call = defaultdict(list)
-        for *key, _lane, off in addresses[kind]:
-            by_call[tuple(key)].append(off)
-        for offs in by_call.values():
+        for offs in _by_call(addresses[kind], 3).values():
             for j in range(4):
                 groups = {(off // 16) % 8 for off in offs[8 * j: 8 * j + 8]}
                 assert len(groups) == 8, (kind, offs[8 * j: 8 * j + 8])
@@ -203,41 +222,25 @@ def test_fp8_tile_scores_and_output_equal_numpy(addresses):
     assert (slots >= 0).all(), "some bytes of the stage are never written"
     value = kv.reshape(-1)
     qdim = {(wq, ks, t): d for wq, ks, t, d in addresses["Q8"]}
-    kaddr = defaultdict(list)
-    for wq, ks, _lane, off in addresses["K8"]:
-        kaddr[wq, ks].append(off)
+    kaddr = _by_call(addresses["K8"], 2)
     s = np.zeros((4, 32, 4))
     for wq in range(4):
         for ks in range(9):
-            a = np.empty((32, 4, 2))
-            for lane in range(32):
-                g, t = divmod(lane, 4)
-                d = qdim[wq, ks, t]
-                a[lane] = [q[g, d: d + 2], q[g + 8, d: d + 2], q[g, d + 2: d + 4],
-                           q[g + 8, d + 2: d + 4]]
+            a = _query_a(q, qdim, wq, ks, 2)
             w = value[_ldmatrix8(slots, kaddr[wq, ks], trans=False)]
             for j in range(4):  # b0 = bytes 0-1 (low 16 bits), b1 = bytes 2-3
                 s[j] = _mma(a, w[:, j, 0:2], w[:, j, 2:4], s[j])
-    token = {(n, t, e): tok for n, t, e, tok in addresses["F"]}
-    scores = np.full((16, TOKENS), np.nan)
-    for n in range(4):
-        for lane in range(32):
-            g, t = divmod(lane, 4)
-            for e in range(4):
-                scores[g + 8 * (e // 2), token[n, t, e]] = s[n, lane, e]
+    scores = _score_matrix(s, addresses)
     np.testing.assert_allclose(scores, q @ kv.T, rtol=1e-12, atol=1e-10)
 
     p = np.tanh(s)
-    vaddr = defaultdict(list)
-    for wq, kk, cp, _lane, off in addresses["V8"]:
-        vaddr[wq, kk, cp].append(off)
+    vaddr = _by_call(addresses["V8"], 3)
     column = {(wq, cc, t): c for wq, cc, t, c in addresses["O8"]}
     out = np.full((16, LATENT), np.nan)
     for wq in range(4):
         o = np.zeros((16, 32, 4))
         for kk in range(2):
-            pa = np.stack([p[2 * kk][:, :2], p[2 * kk][:, 2:], p[2 * kk + 1][:, :2],
-                           p[2 * kk + 1][:, 2:]], axis=1)
+            pa = _p_fragment(p, kk)
             for cp in range(4):
                 w = _byte_perm(_ldmatrix8(slots, vaddr[wq, kk, cp], trans=True),
                                addresses["P"][0][0])
@@ -260,10 +263,7 @@ def test_fp8_tile_scores_and_output_equal_numpy(addresses):
 
 def test_fp8_ldmatrix_reads_hit_eight_bank_groups(addresses):
     for kind, key_len in (("K8", 2), ("V8", 3)):
-        by_call = defaultdict(list)
-        for row in addresses[kind]:
-            by_call[tuple(row[:key_len])].append(row[-1])
-        for offs in by_call.values():
+        for offs in _by_call(addresses[kind], key_len).values():
             for j in range(4):
                 groups = {(off // 16) % 8 for off in offs[8 * j: 8 * j + 8]}
                 assert len(groups) == 8, (kind, offs[8 * j: 8 * j + 8])

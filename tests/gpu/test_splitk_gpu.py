@@ -112,3 +112,25 @@ def test_seeded_random_batches(seed: int) -> None:
                      dtype=dtype, kv_dtype=kv_dtype,
                      scales=scales if kv_dtype == FP8 else KVScales(), device=DEVICE)
     _check(p, tag=f"seed {seed} h{heads} q{q_len} b{b} ctx{ctx} kv {kv_dtype}")
+
+
+def test_requests_without_keys_get_zeros() -> None:
+    """Engines pad CUDA-graph batches with requests of length 0: their rows come out zero
+    (not stale memory), the real request between them exact."""
+    p = make_problem(heads=16, block=64, lens=[5, 700, 9], q_lens=1, dtype=BF16,
+                     kv_dtype=BF16, device=DEVICE)
+    kernel = SplitKMLADecode(DEVICE, 16, 1, 64, 3, BF16)
+    lens = p.batch.seq_lens.clone()
+    lens[0] = lens[2] = 0
+    cu = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    out = torch.full((3, 16, 512), float("nan"), dtype=BF16, device=DEVICE)
+    kernel.plan(lens)
+    kernel.run(p.query, p.kv_cache, p.batch.block_table, lens, cu, out, p.spec.softmax_scale)
+    torch.cuda.synchronize()
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+    real = make_problem(heads=16, block=64, lens=[700], q_lens=1, dtype=BF16, kv_dtype=BF16,
+                        device=DEVICE)
+    real.query, real.kv_cache = p.query[1:2], p.kv_cache
+    real.batch.block_table = p.batch.block_table[1:2]
+    rel, _ = errors(out[1:2], reference(real))
+    assert rel < 1e-2, rel

@@ -618,7 +618,8 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
 }
 
 // Combines the partials of every request cut by range borders. Work item = (request,
-// 128-column chunk); a persistent grid strides over the items, skipping whole requests.
+// 128-column chunk); a persistent grid strides over the items, skipping whole requests and
+// writing zeros for requests without keys.
 template <bool FP16, int RG>
 __device__ __forceinline__ void combine_body(const SplitKParams& p) {
   constexpr int ROWS = 16 * RG;
@@ -626,13 +627,24 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hb = blockIdx.y;
   const int total = p.tile_prefix[p.batch];
-  if (total <= 0) return;
-  const int active = active_ctas(total, p.num_ctas, p.min_tiles);
+  const int active = total > 0 ? active_ctas(total, p.num_ctas, p.min_tiles) : 1;
 
   for (int item = blockIdx.x; item < p.batch * 4; item += gridDim.x) {
     const int req = item >> 2, chunk = item & 3;
     const int first = p.tile_prefix[req], tiles = p.tile_prefix[req + 1] - first;
-    if (tiles <= 0) continue;
+    if (tiles <= 0) {
+      // A request without keys (an engine's padding row): zeros rather than stale memory,
+      // so nothing undefined flows into the layers after attention.
+      const int qlen = p.cu_q[req + 1] - p.cu_q[req];
+      const i64 qrow0 = static_cast<i64>(p.cu_q[req]) * p.heads;
+      for (int r = warp; r < ROWS; r += 4) {
+        const int rr = hb * ROWS + r;
+        if (rr < qlen * p.heads)
+          *reinterpret_cast<uint2*>(p.out + (qrow0 + rr) * kLatent + chunk * 128 + lane * 4) =
+              make_uint2(0u, 0u);
+      }
+      continue;
+    }
     const int c_first = cta_of(first, total, active);
     const int splits = cta_of(first + tiles - 1, total, active) - c_first + 1;
     if (splits <= 1) continue;

@@ -23,8 +23,9 @@ from ...log import get_logger
 
 logger = get_logger(__name__)
 
-#: Flags every build gets (fast exp2/log2/reciprocal: the kernels' softmax tolerates them).
-BASE_FLAGS = ("-O3", "-use_fast_math", "-std=c++17")
+#: Flags every build gets (fast exp2/log2/reciprocal: the kernels' softmax tolerates them;
+#: line info costs no speed and lets compute-sanitizer and ncu name source lines).
+BASE_FLAGS = ("-O3", "-use_fast_math", "-std=c++17", "-lineinfo")
 
 
 def find_nvcc() -> str | None:

@@ -90,6 +90,20 @@ def row_groups(heads: int, max_q_len: int) -> int:
     return 1 if heads * max_q_len <= 16 else 2
 
 
+def head_blocks(heads: int, max_q_len: int) -> int:
+    """CTAs along the grid's y axis: query rows of a request over the rows one CTA takes."""
+    return math.ceil(heads * max_q_len / (16 * row_groups(heads, max_q_len)))
+
+
+def launch_scales(fp8_kv: bool, softmax_scale: float, q_scale: float = 1.0,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[float, float, float]:
+    """``(scale_log2, q_prescale, out_scale)`` of the launch struct. FP8 caches: the query
+    enters the fp16 product pre-scaled to log2 units, the FP8 scales multiply after it."""
+    if fp8_kv:
+        return q_scale * k_scale, softmax_scale * LOG2E, v_scale
+    return softmax_scale * LOG2E * q_scale * k_scale, 1.0, v_scale
+
+
 def stage_bytes(fp8_kv: bool) -> int:
     return TILE_TOKENS * HEAD_DIM * (1 if fp8_kv else 2)
 
@@ -137,7 +151,7 @@ class SplitKMLADecode:
         self.heads, self.page_size, self.dtype = heads, page_size, dtype
         self.groups = row_groups(heads, max_q_len)
         rows = 16 * self.groups
-        self.head_blocks = math.ceil(heads * max_q_len / rows)
+        self.head_blocks = head_blocks(heads, max_q_len)
         sms = torch.cuda.get_device_properties(index).multi_processor_count
         self.num_ctas = sms * self.config.ctas_per_sm
         self.combine_ctas = sms * self.config.combine_ctas_per_sm
@@ -196,14 +210,8 @@ class SplitKMLADecode:
         p.kv_page_stride = kv_cache.stride(0)
         p.bt_stride = block_table.stride(0)
         p.batch = seq_lens.shape[0]
-        if self.fp8_kv:
-            # the query enters the fp16 product pre-scaled (log2 units), the FP8 scales after
-            p.q_prescale = softmax_scale * LOG2E
-            p.scale_log2 = q_scale * k_scale
-        else:
-            p.q_prescale = 1.0
-            p.scale_log2 = softmax_scale * LOG2E * q_scale * k_scale
-        p.out_scale = v_scale
+        p.scale_log2, p.q_prescale, p.out_scale = launch_scales(
+            self.fp8_kv, softmax_scale, q_scale, k_scale, v_scale)
         threads = 128 * self.groups
         self._module.launch(self._decode, (self.num_ctas, self.head_blocks), threads,
                             self.decode_shared, p)

@@ -1,5 +1,5 @@
 // Page-balanced split-KV MLA decode for SM80+ (written for SM90): a bf16 or fp16 query
-// and a cache of the same dtype.
+// over a cache of the same dtype or of FP8 e4m3.
 //
 // Why this kernel: on the H200 every peer (FlashMLA, FlashInfer FA3, vLLM's FA3 MLA) pads
 // the query rows of one request (heads x query tokens) to a 64-row tile, so with 16 heads a
@@ -73,6 +73,9 @@ struct SplitKParams {
 
 namespace {
 
+// The hardware primitives. A CPU emulation of the kernel (tests/cuda/splitk_emulator.cpp)
+// defines SPLITK_EMULATE and brings its own, with the same names and PTX semantics.
+#ifndef SPLITK_EMULATE
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
@@ -149,6 +152,8 @@ __device__ __forceinline__ float to_float(u32 bits16) {
     return __uint_as_float(bits16 << 16);
   }
 }
+
+#endif  // SPLITK_EMULATE
 
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));

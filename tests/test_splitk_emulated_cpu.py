@@ -1,0 +1,122 @@
+"""The CUDA split-KV kernel's own source run end to end on the CPU: decode_body and
+combine_body of ``splitk_mla_decode.cu`` compiled with g++ by
+``tests/cuda/splitk_emulator.cpp``, every GPU thread a fiber and the hardware primitives
+(barriers, ldmatrix, mma.sync, shfl, cp.async, conversions) re-implemented after the PTX
+ISA, against the float64 reference. Covers what the fragment model does not: the pipeline
+stages, segments, the in-kernel schedule over several CTAs, the online softmax, masks,
+scales, partials and the combine. Timing, real concurrency and the hardware's own
+instruction behaviour remain for the GPU tests (tests/gpu/test_splitk_gpu.py)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops import KVScales
+from trtllm_mla_plugin.ops.kernels import splitk_mla_decode as sk
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from mla_cases import bounds, errors, make_problem, reference
+
+EMULATOR = Path(__file__).with_name("cuda") / "splitk_emulator.cpp"
+GXX = shutil.which("g++")
+pytestmark = pytest.mark.skipif(GXX is None, reason="needs g++")
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+CPU = torch.device("cpu")
+#: FP8 cache read with the 16-bit query: held to bf16-query accuracy (issue 11's aim).
+FP8_BF16_QUERY_REL = 5e-3
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory) -> Path:
+    exe = tmp_path_factory.mktemp("emu") / "splitk_emu"
+    subprocess.run([GXX, "-std=c++20", "-O2", "-o", str(exe), str(EMULATOR)], check=True,
+                   capture_output=True)
+    return exe
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def emulate(exe: Path, tmp: Path, p, *, num_ctas: int, min_tiles: int, stages: int,
+            combine_ctas: int = 3) -> torch.Tensor:
+    """Run decode + combine of ``p`` in the emulator; returns ``[tokens, heads, 512]``."""
+    spec, batch = p.spec, p.batch
+    b, heads = batch.batch_size, spec.num_heads
+    fp8 = spec.fp8_kv
+    groups = sk.row_groups(heads, spec.max_q_len)
+    cu = batch.cu_seqlens_q
+    if cu is None:
+        cu = torch.arange(b + 1, dtype=torch.int32) * batch.max_q_len
+    tiles = (batch.seq_lens + sk.TILE_TOKENS - 1) // sk.TILE_TOKENS
+    prefix = torch.zeros(b + 1, dtype=torch.int32)
+    prefix[1:] = torch.cumsum(tiles, 0)
+    s = p.scales
+    header = [b, heads, spec.block_size, num_ctas, min_tiles, p.kv_cache.shape[0],
+              batch.block_table.shape[1], p.query.shape[0],
+              sk.head_blocks(heads, spec.max_q_len), int(spec.q_dtype == FP16), int(fp8),
+              groups, stages, combine_ctas]
+    floats = sk.launch_scales(fp8, spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
+    blob = struct.pack("14i", *header) + struct.pack("3f", *floats)
+    blob += _bits(p.query) + _bits(p.kv_cache) + _bits(batch.block_table.to(torch.int32))
+    blob += _bits(batch.seq_lens.to(torch.int32)) + _bits(cu.to(torch.int32)) + _bits(prefix)
+    inp, out = tmp / "in.bin", tmp / "out.bin"
+    inp.write_bytes(blob)
+    subprocess.run([str(exe), str(inp), str(out)], check=True, timeout=600)
+    raw = np.frombuffer(out.read_bytes(), dtype=np.int16).copy()
+    return torch.from_numpy(raw).view(spec.q_dtype).view(p.query.shape[0], heads, 512)
+
+
+# (id, heads, block, lens, q_lens, q dtype, kv dtype, scales, num_ctas, min_tiles, stages)
+CASES = [
+    ("one-tile", 16, 64, [32], 1, BF16, BF16, None, 4, 1, 4),
+    ("ragged-cut-over-7-ctas", 16, 64, [1, 63, 64, 65, 700, 300], 1, BF16, BF16, None, 7,
+     1, 2),
+    ("ragged-3-stages-page32", 16, 32, [700, 5, 333, 96], 1, BF16, BF16, None, 5, 2, 3),
+    ("one-request-over-every-cta", 16, 64, [1500], 1, BF16, BF16, None, 13, 1, 4),
+    ("h8-q2-causal", 8, 64, [2, 130, 700], 2, BF16, BF16, None, 6, 1, 4),
+    ("h32-two-row-groups", 32, 64, [40, 500, 1], 1, BF16, BF16, None, 5, 1, 4),
+    ("h16-q4-two-head-blocks", 16, 64, [4, 300, 129], 4, BF16, BF16, None, 5, 1, 2),
+    ("h24-ragged-q-fp16", 24, 64, [300, 77, 64], [3, 1, 2], FP16, FP16, None, 4, 1, 4),
+    ("fp8-unit", 16, 64, [1, 63, 65, 700], 1, BF16, FP8, KVScales(), 6, 1, 4),
+    ("fp8-scaled-8-stages", 16, 64, [1, 63, 65, 700, 9], 1, BF16, FP8,
+     KVScales(2.0, 0.5, 0.25), 6, 1, 8),
+    ("fp8-h32-q2-page32", 32, 32, [2, 400, 70], 2, BF16, FP8, KVScales(1.0, 0.25, 0.5), 4,
+     1, 4),
+    ("fp8-fp16-query", 16, 64, [200, 31], 1, FP16, FP8, KVScales(0.5, 2.0, 2.0), 3, 1, 8),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernel_source_matches_float64(emulator, tmp_path, case):
+    _, heads, block, lens, q_lens, dtype, kv_dtype, scales, num_ctas, min_tiles, stages = case
+    torch.manual_seed(len(lens) * 31 + heads)
+    p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_lens, dtype=dtype,
+                     kv_dtype=kv_dtype, scales=scales or KVScales(), device=CPU)
+    out = emulate(emulator, tmp_path, p, num_ctas=num_ctas, min_tiles=min_tiles,
+                  stages=stages)
+    assert torch.isfinite(out).all(), "rows left unwritten (NaN poison)"
+    rel, worst = errors(out, reference(p))
+    rel_bound, max_bound = bounds(p)
+    if p.spec.fp8_kv:
+        rel_bound = FP8_BF16_QUERY_REL
+    assert rel < rel_bound and worst < max_bound, (rel, worst)
+
+
+def test_padding_requests_come_out_zero(emulator, tmp_path):
+    p = make_problem(heads=16, block=64, lens=[5, 700, 9], q_lens=1, dtype=BF16,
+                     kv_dtype=BF16, device=CPU)
+    p.batch.seq_lens[0] = p.batch.seq_lens[2] = 0
+    out = emulate(emulator, tmp_path, p, num_ctas=5, min_tiles=1, stages=4)
+    assert (out[0] == 0).all() and (out[2] == 0).all()
+    p.batch.seq_lens[0] = p.batch.seq_lens[2] = 1  # any length: only row 1 is compared
+    rel, _ = errors(out[1:2], reference(p)[1:2])
+    assert rel < 1e-2

@@ -486,12 +486,14 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   begin_segment();
 
   for (int x = start; x < end; ++x) {
-    // Tile x sits in stage (x - start) % STAGES (the prologue filled stages 0, 1, ...).
+    // Tile x sits in stage (x - start) % STAGES (the prologue filled stages 0, 1, ...). Once
+    // it has landed and every warp is past tile x - 1 (one barrier for both), tile
+    // x + STAGES - 1 goes into tile x - 1's stage: STAGES - 1 tiles stay in flight.
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
     issue((x - start + STAGES - 1) % STAGES, next);
     cp_async_commit();
     next = source_of(x + STAGES);
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
 
     if (x != start && x == s_pref[req + 1]) {
       end_segment(x);
@@ -616,7 +618,6 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
         }
       }
     }
-    __syncthreads();  // the stage and s_part are rewritten next iteration
   }
   end_segment(end);
   cp_async_wait<0>();

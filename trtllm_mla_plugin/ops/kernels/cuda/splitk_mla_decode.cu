@@ -396,10 +396,34 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   bool row_ok[2];
   const int row_local[2] = {rg * 16 + g, rg * 16 + g + 8};
 
-  auto begin_segment = [&]() {
+  // The query words of request r's rows this lane multiplies (raw, 36 registers): loaded
+  // one tile before the request's first tile, so a new segment does not wait for them.
+  auto load_query = [&](int r, u32 (&raw)[9][4]) {
+    const int qrows = (s_cuq[r + 1] - s_cuq[r]) * p.heads;
+    const i64 qrow0 = static_cast<i64>(s_cuq[r]) * p.heads;
+    const bool ok0 = hb * ROWS + row_local[0] < qrows, ok1 = hb * ROWS + row_local[1] < qrows;
+    const u32* q0 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[0]) * kHeadDim);
+    const u32* q1 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[1]) * kHeadDim);
+#pragma unroll
+    for (int ks = 0; ks < 9; ++ks) {
+      if constexpr (KV8) {  // dims 4t .. 4t + 3 (query_dim8): (a0 | a1) low words, (a2 | a3) high
+        const int k0 = query_dim8(wq, ks, t) >> 1;
+        const uint2 v0 = ok0 ? __ldg(reinterpret_cast<const uint2*>(q0 + k0)) : make_uint2(0u, 0u);
+        const uint2 v1 = ok1 ? __ldg(reinterpret_cast<const uint2*>(q1 + k0)) : make_uint2(0u, 0u);
+        raw[ks][0] = v0.x, raw[ks][1] = v1.x, raw[ks][2] = v0.y, raw[ks][3] = v1.y;
+      } else {
+        const int k0 = query_dim(wq, ks, t) >> 1;  // in 16-bit pairs
+        raw[ks][0] = ok0 ? __ldg(q0 + k0) : 0u;
+        raw[ks][1] = ok1 ? __ldg(q1 + k0) : 0u;
+        raw[ks][2] = ok0 ? __ldg(q0 + k0 + 4) : 0u;
+        raw[ks][3] = ok1 ? __ldg(q1 + k0 + 4) : 0u;
+      }
+    }
+  };
+
+  auto begin_segment = [&](const u32 (&raw)[9][4]) {
     const int qlen = s_cuq[req + 1] - s_cuq[req];
     const int len = s_len[req];
-    const i64 qrow0 = static_cast<i64>(s_cuq[req]) * p.heads;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int rr = hb * ROWS + row_local[h];
@@ -410,33 +434,18 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     }
 #pragma unroll
     for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    const u32* q0 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[0]) * kHeadDim);
-    const u32* q1 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[1]) * kHeadDim);
-    if constexpr (KV8) {
-      // dims 4t .. 4t + 3 of each k-step (query_dim8), scaled, as fp16 pairs
 #pragma unroll
-      for (int ks = 0; ks < 9; ++ks) {
-        const int k0 = query_dim8(wq, ks, t) >> 1;
+    for (int ks = 0; ks < 9; ++ks)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const u32* qr = h ? q1 : q0;
-          const uint2 v = row_ok[h] ? __ldg(reinterpret_cast<const uint2*>(qr + k0))
-                                    : make_uint2(0u, 0u);
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (KV8) {  // scaled into fp16 pairs
           const float sc = p.q_prescale;
-          qf[ks][h] = pack16<true>(to_float<FP16>(v.x & 0xffffu) * sc, to_float<FP16>(v.x >> 16) * sc);
-          qf[ks][2 + h] = pack16<true>(to_float<FP16>(v.y & 0xffffu) * sc, to_float<FP16>(v.y >> 16) * sc);
+          qf[ks][i] = pack16<true>(to_float<FP16>(raw[ks][i] & 0xffffu) * sc,
+                                   to_float<FP16>(raw[ks][i] >> 16) * sc);
+        } else {
+          qf[ks][i] = raw[ks][i];
         }
       }
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < 9; ++ks) {
-        const int k0 = query_dim(wq, ks, t) >> 1;  // in 16-bit pairs
-        qf[ks][0] = row_ok[0] ? __ldg(q0 + k0) : 0u;
-        qf[ks][1] = row_ok[1] ? __ldg(q1 + k0) : 0u;
-        qf[ks][2] = row_ok[0] ? __ldg(q0 + k0 + 4) : 0u;
-        qf[ks][3] = row_ok[1] ? __ldg(q1 + k0 + 4) : 0u;
-      }
-    }
   };
 
   auto end_segment = [&](int seg_end) {
@@ -483,7 +492,9 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     }
   };
 
-  begin_segment();
+  u32 qnext[9][4];  // the query of the segment that starts next
+  load_query(req, qnext);
+  begin_segment(qnext);
 
   for (int x = start; x < end; ++x) {
     // Tile x sits in stage (x - start) % STAGES (the prologue filled stages 0, 1, ...). Once
@@ -499,7 +510,12 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
       end_segment(x);
       while (s_pref[req + 1] <= x) ++req;
       seg_first = x;
-      begin_segment();
+      begin_segment(qnext);
+    }
+    if (x + 1 < end && x + 1 == s_pref[req + 1]) {  // a request starts with the next tile
+      int r = req + 1;
+      while (s_pref[r + 1] <= x + 1) ++r;
+      load_query(r, qnext);
     }
 
     const u32 st = kv_base + ((x - start) % STAGES) * TILE_BYTES;

@@ -7,6 +7,7 @@ GPU (tests/gpu/test_decode_routes_gpu.py, tests/gpu/test_splitk_gpu.py)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import re
 import shutil
@@ -239,3 +240,45 @@ def test_policy_never_ranks_the_unmeasured_kernel():
         for ranking in (*policy.rankings(spec, H200),
                         *policy.rankings(spec, H200, cuda_graph=True, max_batch_size=256)):
             assert "cuda-splitk" not in ranking
+
+
+def _cuda_header() -> Path | None:
+    roots = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    if NVCC is not None:
+        roots.append(str(Path(NVCC).resolve().parent.parent))
+    for root in filter(None, roots):
+        if (Path(root) / "include" / "cuda.h").exists():
+            return Path(root) / "include" / "cuda.h"
+    return None
+
+
+@pytest.mark.skipif(_cuda_header() is None or shutil.which("g++") is None,
+                    reason="needs the CUDA toolkit's cuda.h and g++")
+def test_launch_config_structs_match_cuda_h(tmp_path):
+    from trtllm_mla_plugin.ops.kernels.cuda_driver import LaunchAttribute, LaunchConfig
+
+    config_fields = [f[0] for f in LaunchConfig._fields_]
+    prog = tmp_path / "launch.cpp"
+    prog.write_text(
+        "#include <cstddef>\n#include <cstdio>\n#include <cuda.h>\nint main() {\n"
+        '  std::printf("attr %zu %zu %zu\\n", sizeof(CUlaunchAttribute), '
+        "offsetof(CUlaunchAttribute, value), offsetof(CUlaunchAttribute, "
+        "value.programmaticStreamSerializationAllowed));\n"
+        '  std::printf("config %zu\\n", sizeof(CUlaunchConfig));\n'
+        + "".join(f'  std::printf("{n} %zu\\n", offsetof(CUlaunchConfig, {n}));\n'
+                  for n in config_fields)
+        + '  std::printf("psa %d\\n", '
+        '(int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);\n'
+        "}\n")
+    exe = tmp_path / "launch"
+    subprocess.run(["g++", f"-I{_cuda_header().parent}", "-o", str(exe), str(prog)], check=True)
+    lines = [line.split() for line in subprocess.run(
+        [str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()]
+    got = {line[0]: [int(v) for v in line[1:]] for line in lines}
+    assert got["attr"] == [ctypes.sizeof(LaunchAttribute), LaunchAttribute.value.offset,
+                           LaunchAttribute.value.offset]
+    assert got["config"] == [ctypes.sizeof(LaunchConfig)]
+    for name in config_fields:
+        assert got[name] == [getattr(LaunchConfig, name).offset], name
+    from trtllm_mla_plugin.ops.kernels.cuda_driver import PROGRAMMATIC_STREAM_SERIALIZATION
+    assert got["psa"] == [PROGRAMMATIC_STREAM_SERIALIZATION]

@@ -16,6 +16,27 @@ import torch
 
 #: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``
 _MAX_DYNAMIC_SHARED = 8
+#: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an id, padding to 8 bytes, a 64-byte value union whose
+    first member here is the int ``programmaticStreamSerializationAllowed``. Tests compare
+    the layout with cuda.h's."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h)."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
 
 
 @cache
@@ -32,6 +53,9 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
     lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    if hasattr(lib, "cuLaunchKernelEx"):
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     return lib
 
 
@@ -67,6 +91,9 @@ class CubinModule:
         _check(_libcuda().cuModuleLoadData(ctypes.byref(self._module), self._image),
                f"loading {Path(cubin).name}")
         self._functions: dict[str, ctypes.c_void_p] = {}
+        #: Whether programmatic dependent launches work here (None: not tried yet).
+        self.programmatic: bool | None = None if hasattr(_libcuda(), "cuLaunchKernelEx") else False
+        self._attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
 
     def function(self, name: str, dynamic_shared_bytes: int = 0) -> ctypes.c_void_p:
         """Kernel ``name`` (an ``extern "C"`` entry point), allowed ``dynamic_shared_bytes``
@@ -84,10 +111,24 @@ class CubinModule:
         return fn
 
     def launch(self, fn: ctypes.c_void_p, grid: tuple[int, int], threads: int,
-               shared_bytes: int, params: ctypes.Structure) -> None:
+               shared_bytes: int, params: ctypes.Structure,
+               programmatic: bool = False) -> None:
         """Launch ``fn`` with one by-value argument, the struct ``params``, on torch's
-        current stream of this module's device."""
+        current stream of this module's device. ``programmatic``: allowed to start before
+        the previous kernel on the stream has finished (it must wait for it itself, with
+        ``griddepcontrol.wait``); where the driver refuses that on the first try, every
+        launch is a plain one."""
         stream = torch.cuda.current_stream(self.device).cuda_stream
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        if programmatic and self.programmatic is not False:
+            config = LaunchConfig(grid[0], grid[1], 1, threads, 1, 1, shared_bytes, stream,
+                                  ctypes.pointer(self._attr), 1)
+            result = _libcuda().cuLaunchKernelEx(ctypes.byref(config), fn, args, None)
+            if result == 0:
+                self.programmatic = True
+                return
+            if self.programmatic:  # worked before: a real failure
+                _check(result, "cuLaunchKernelEx")
+            self.programmatic = False
         _check(_libcuda().cuLaunchKernel(fn, grid[0], grid[1], 1, threads, 1, 1, shared_bytes,
                                          stream, args, None), "cuLaunchKernel")

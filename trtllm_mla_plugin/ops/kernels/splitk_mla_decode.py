@@ -215,6 +215,7 @@ class SplitKMLADecode:
         threads = 128 * self.groups
         self._module.launch(self._decode, (self.num_ctas, self.head_blocks), threads,
                             self.decode_shared, p)
+        # The combine may start while the decode grid drains (it waits for it on the GPU).
         self._module.launch(self._combine, (self.combine_ctas, self.head_blocks), 128,
-                            self.combine_shared, p)
+                            self.combine_shared, p, programmatic=True)
         return out

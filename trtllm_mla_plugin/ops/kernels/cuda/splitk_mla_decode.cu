@@ -153,6 +153,15 @@ __device__ __forceinline__ float to_float(u32 bits16) {
   }
 }
 
+// Programmatic dependent launch (SM90): the decode grid lets the combine grid start early;
+// the combine waits for the decode grid to finish and its writes to be visible. Both are
+// no-ops when the combine is launched without the attribute.
+__device__ __forceinline__ void allow_dependent_launch() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::);
+}
+__device__ __forceinline__ void wait_for_prior_grid() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
 #endif  // SPLITK_EMULATE
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -301,6 +310,7 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   const int g = lane >> 2, t = lane & 3;
   const int nb = p.batch;
   const int hb = blockIdx.y;
+  allow_dependent_launch();
 
   for (int i = tid; i <= nb; i += NT) {
     s_pref[i] = p.tile_prefix[i];
@@ -648,6 +658,7 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
   extern __shared__ __align__(16) float s_w[];  // [num_ctas][ROWS] weights
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hb = blockIdx.y;
+  wait_for_prior_grid();
   const int total = p.tile_prefix[p.batch];
   const int active = total > 0 ? active_ctas(total, p.num_ctas, p.min_tiles) : 1;
 

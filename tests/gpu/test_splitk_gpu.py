@@ -134,3 +134,35 @@ def test_requests_without_keys_get_zeros() -> None:
     real.batch.block_table = p.batch.block_table[1:2]
     rel, _ = errors(out[1:2], reference(real))
     assert rel < 1e-2, rel
+
+
+def test_combine_is_launched_programmatically_and_captures() -> None:
+    """On SM90 the driver takes the combine's programmatic dependent launch (else every
+    launch falls back to a plain one, correct but slower), and a CUDA graph captures the
+    pair and replays it with the next step's lengths."""
+    p = make_problem(heads=16, block=64, lens=[3000, 5, 700], q_lens=1, dtype=BF16,
+                     kv_dtype=BF16, device=DEVICE)
+    kernel = SplitKMLADecode(DEVICE, 16, 1, 64, 3, BF16)
+    cu = torch.arange(4, dtype=torch.int32, device=DEVICE)
+    lens = p.batch.seq_lens.clone()
+    out = torch.empty(3, 16, 512, dtype=BF16, device=DEVICE)
+
+    def step() -> None:
+        kernel.run(p.query, p.kv_cache, p.batch.block_table, lens, cu, out,
+                   p.spec.softmax_scale)
+
+    kernel.plan(lens)
+    step()
+    torch.cuda.synchronize()
+    assert kernel._module.programmatic is True
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    lens.copy_(torch.tensor([40, 2900, 64], dtype=torch.int32))
+    kernel.plan(lens)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    p.batch.seq_lens = lens
+    rel, _ = errors(out, reference(p))
+    assert rel < 1e-2, rel

@@ -13,6 +13,7 @@
 // Layout (elements):
 //   q            [num_tokens, heads, 576] bf16 or fp16, rows of a request: qt * heads + h
 //   kv           page p at kv + p * kv_page_stride, [page_size, 576] per page, q's dtype
+//                or FP8 e4m3 (scores scaled by q_scale * k_scale, output by v_scale)
 //   block_table  [batch, bt_stride] int32
 //   seq_lens     [batch] int32 (tokens in the cache, this step's query tokens included)
 //   cu_q         [batch + 1] int32 query-token offsets
@@ -27,7 +28,8 @@
 // whose partials go to slots 2c and 2c+1. Query row r of a request with L keys and n query
 // tokens sees keys < L - n + r / heads + 1 (bottom-right causal).
 //
-// No headers: the source compiles the same under nvcc and NVRTC.
+// No headers: the source compiles the same under nvcc and NVRTC, and, with SPLITK_EMULATE,
+// as host C++ in the CPU emulator of the tests.
 
 typedef unsigned int u32;
 typedef unsigned short u16;

@@ -120,3 +120,42 @@ def test_padding_requests_come_out_zero(emulator, tmp_path):
     p.batch.seq_lens[0] = p.batch.seq_lens[2] = 1  # any length: only row 1 is compared
     rel, _ = errors(out[1:2], reference(p)[1:2])
     assert rel < 1e-2
+
+
+def test_many_short_requests_per_cta(emulator, tmp_path):
+    """40 requests over 3 CTAs: each CTA walks a dozen segments, every one of them with its
+    query prefetched one tile ahead."""
+    gen = torch.Generator().manual_seed(40)
+    lens = torch.randint(1, 100, (40,), generator=gen).tolist()
+    p = make_problem(heads=16, block=32, lens=lens, q_lens=1, dtype=BF16, kv_dtype=BF16,
+                     device=CPU, generator=gen)
+    out = emulate(emulator, tmp_path, p, num_ctas=3, min_tiles=1, stages=2)
+    rel, worst = errors(out, reference(p))
+    assert rel < 1e-2 and worst < 2e-2, (rel, worst)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_seeded_random_problems(emulator, tmp_path, seed):
+    rng = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    heads, q_len = pick([8, 16, 24, 32]), pick([1, 1, 2, 3])
+    b = int(torch.randint(1, 24, (1,), generator=rng))
+    lens = [max(q_len, int(v)) for v in torch.randint(1, 600, (b,), generator=rng)]
+    dtype = pick([BF16, BF16, FP16])
+    fp8 = seed % 3 == 1
+    scales = KVScales(pick([1.0, 2.0]), pick([0.5, 1.0]), pick([0.25, 1.0])) if fp8 else None
+    p = make_problem(heads=heads, block=pick([32, 64]), lens=lens, q_lens=q_len, dtype=dtype,
+                     kv_dtype=FP8 if fp8 else dtype, scales=scales or KVScales(), device=CPU,
+                     generator=rng)
+    stages = pick([4, 8]) if fp8 else pick([2, 3, 4])
+    out = emulate(emulator, tmp_path, p, num_ctas=pick([2, 5, 12]),
+                  min_tiles=pick([1, 2, 4]), stages=stages)
+    assert torch.isfinite(out).all()
+    rel, worst = errors(out, reference(p))
+    rel_bound, max_bound = bounds(p)
+    if fp8:
+        rel_bound = FP8_BF16_QUERY_REL
+    assert rel < rel_bound and worst < max_bound, (heads, q_len, lens, rel, worst)

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from trtllm_mla_plugin.ops import KVScales
-from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig, SplitKMLADecode
+from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig
 
-from mla_cases import errors, make_problem, reference
+from mla_cases import errors, make_problem, reference, splitk_decode
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 SCALED = KVScales(q_scale=2.0, k_scale=0.5, v_scale=0.25)
@@ -66,15 +66,7 @@ def run_case(label, heads, lens, q_len, block, config, scales=None, *, device) -
     kv_dtype = BF16 if scales is None else FP8
     p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_len, dtype=BF16,
                      kv_dtype=kv_dtype, scales=scales or KVScales(), device=device)
-    b = len(lens)
-    kernel = SplitKMLADecode(device, heads, q_len, block, b, BF16, config, kv_dtype=kv_dtype)
-    cu = torch.arange(b + 1, dtype=torch.int32, device=device) * q_len
-    out = torch.full((b * q_len, heads, 512), float("nan"), dtype=BF16, device=device)
-    kernel.plan(p.batch.seq_lens)
-    s = p.scales
-    kernel.run(p.query, p.kv_cache, p.batch.block_table, p.batch.seq_lens, cu, out,
-               p.spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
-    torch.cuda.synchronize()
+    out = splitk_decode(p, config)
     ref = reference(p)
     unwritten = (~torch.isfinite(out)).any(-1)
     rel, worst = errors(torch.nan_to_num(out, nan=0.0), ref)

@@ -151,3 +151,24 @@ def capture_decode(decoder, query: torch.Tensor, cache: torch.Tensor,
     with torch.cuda.graph(graph):
         decoder.run(query, cache, out=out)
     return graph
+
+
+def splitk_decode(p: Problem, config=None) -> torch.Tensor:
+    """``p`` decoded once by the CUDA split-KV kernel (``SplitKMLADecode``, launch
+    ``config``), into an output poisoned with NaN first; synchronised."""
+    from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKMLADecode
+
+    device, b = p.query.device, p.batch.batch_size
+    kernel = SplitKMLADecode(device, p.spec.num_heads, p.spec.max_q_len, p.spec.block_size,
+                             b, p.spec.q_dtype, config, kv_dtype=p.spec.kv_dtype)
+    cu = p.batch.cu_seqlens_q
+    if cu is None:
+        cu = torch.arange(b + 1, dtype=torch.int32, device=device) * p.batch.max_q_len
+    out = torch.full((p.query.shape[0], p.spec.num_heads, KV_LORA_RANK), float("nan"),
+                     dtype=p.spec.q_dtype, device=device)
+    kernel.plan(p.batch.seq_lens)
+    s = p.scales
+    kernel.run(p.query, p.kv_cache, p.batch.block_table, p.batch.seq_lens, cu, out,
+               p.spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
+    torch.cuda.synchronize()
+    return out

@@ -17,7 +17,14 @@ from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import (
     SplitKMLADecode,
 )
 
-from mla_cases import bounds, errors, make_problem, reference, route_skip_reason
+from mla_cases import (
+    bounds,
+    errors,
+    make_problem,
+    reference,
+    route_skip_reason,
+    splitk_decode,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,19 +39,7 @@ DEVICE = torch.device("cuda") if torch.cuda.is_available() else None
 def _check(p, config: SplitKConfig | None = None, tag: str = "") -> tuple[float, float]:
     if (reason := route_skip_reason("cuda-splitk", p.spec, DEVICE)) is not None:
         pytest.skip(reason)
-    b = p.batch.batch_size
-    kernel = SplitKMLADecode(DEVICE, p.spec.num_heads, p.spec.max_q_len, p.spec.block_size,
-                             b, p.spec.q_dtype, config, kv_dtype=p.spec.kv_dtype)
-    cu = p.batch.cu_seqlens_q
-    if cu is None:
-        cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * p.batch.max_q_len
-    out = torch.full((p.query.shape[0], p.spec.num_heads, 512), float("nan"),
-                     dtype=p.spec.q_dtype, device=DEVICE)
-    kernel.plan(p.batch.seq_lens)
-    s = p.scales
-    kernel.run(p.query, p.kv_cache, p.batch.block_table, p.batch.seq_lens, cu, out,
-               p.spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
-    torch.cuda.synchronize()
+    out = splitk_decode(p, config)
     assert torch.isfinite(out).all(), f"{tag}: rows left unwritten (NaN poison)"
     rel, worst = errors(out, reference(p))
     rel_bound, max_bound = bounds(p)

@@ -135,8 +135,9 @@ class SplitKMLADecode:
             raise ValueError(f"block size {page_size}: the split-KV kernel needs a multiple "
                              f"of {TILE_TOKENS}")
         if max_batch > MAX_BATCH:
-            raise ValueError(f"max batch {max_batch}: the split-KV kernel takes up to "
-                             f"{MAX_BATCH} requests per step (lower max_num_seqs)")
+            raise ValueError(f"max batch size {max_batch}: the split-KV kernel takes up to "
+                             f"{MAX_BATCH} requests per step; lower max_num_seqs or pick "
+                             "another route")
         if dtype not in DTYPE_NAMES:
             raise ValueError(f"the split-KV kernel takes bf16/fp16 queries, got {dtype}")
         kv_dtype = kv_dtype or dtype
@@ -160,13 +161,11 @@ class SplitKMLADecode:
             raise ValueError(f"stages={stages}: compiled depths are {STAGES[self.fp8_kv]}")
         self.decode_shared = decode_shared_bytes(stages, self.groups, self.fp8_kv)
         self.combine_shared = self.num_ctas * rows * 4
-        module = _module(index)
-        name = DTYPE_NAMES[dtype]
-        self._module = module
-        self._decode = module.function(
+        self._module = _module(index)
+        self._decode = self._module.function(
             decode_kernel_name(dtype, self.fp8_kv, self.groups, stages), self.decode_shared)
-        self._combine = module.function(f"splitk_mla_combine_{name}_rg{self.groups}",
-                                        self.combine_shared)
+        self._combine = self._module.function(
+            f"splitk_mla_combine_{DTYPE_NAMES[dtype]}_rg{self.groups}", self.combine_shared)
         #: [max_batch + 1] prefix sums of each request's 32-token tiles, written by ``plan``.
         self.tile_prefix = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         slots = self.head_blocks * 2 * self.num_ctas * rows

@@ -17,15 +17,11 @@ from __future__ import annotations
 import torch
 
 from ..kernels.nvcc_build import find_nvcc
+from ..kernels.splitk_mla_decode import DTYPE_NAMES, FP8, TILE_TOKENS, SplitKMLADecode
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
 from .base import DecodeRoute, StagedQueryOffsets, StagedTables, check_unit_scales
 
-FP8 = torch.float8_e4m3fn
-
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-TILE_TOKENS = 32
-MAX_BATCH = 1024
 MAX_Q_LEN = 16
 
 
@@ -41,7 +37,7 @@ class CudaSplitKRoute(DecodeRoute):
         if (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
             return (f"kv_lora_rank={spec.kv_lora_rank}, rope_dim={spec.rope_dim}: the CUDA "
                     "split-KV kernel is compiled for 512 + 64 (DeepSeek-V2/V3, Kimi-K2)")
-        if spec.q_dtype not in KERNEL_DTYPES or spec.kv_dtype not in (spec.q_dtype, FP8):
+        if spec.q_dtype not in DTYPE_NAMES or spec.kv_dtype not in (spec.q_dtype, FP8):
             return (f"the CUDA split-KV kernel reads a bf16/fp16 query over a cache of the same "
                     f"dtype or FP8 e4m3, got {spec.q_dtype} query and {spec.kv_dtype} cache")
         if spec.block_size % TILE_TOKENS:
@@ -62,12 +58,6 @@ class CudaSplitKRoute(DecodeRoute):
         cuda_graph: bool = False,
     ) -> None:
         super().__init__(spec, device, max_batch_size, cuda_graph)
-        if max_batch_size > MAX_BATCH:
-            raise ValueError(
-                f"max batch size {max_batch_size}: the CUDA split-KV decode route takes up "
-                f"to {MAX_BATCH} requests per step; lower max_num_seqs or pick another route")
-        from ..kernels.splitk_mla_decode import SplitKMLADecode
-
         self.kernel_launcher = SplitKMLADecode(device, spec.num_heads, spec.max_q_len,
                                                spec.block_size, max_batch_size, spec.q_dtype,
                                                kv_dtype=spec.kv_dtype)

@@ -134,13 +134,16 @@ def random_shapes(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8)) -
 
 
 def random_set(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8),
-               keep: str = "both") -> list[tuple[int, tuple]]:
+               keep: str = "both", max_request_rows: int | None = None
+               ) -> list[tuple[int, tuple]]:
     """``(case seed, shape)`` of random set ``seed`` whose cache dtype ``keep`` admits
-    (``"both"``, ``BF`` or ``F8``). The case seed (lengths and values of ``make_case``) is
+    (``"both"``, ``BF`` or ``F8``) and, if given, with at most ``max_request_rows`` query
+    rows per request (heads x q_len). The case seed (lengths and values of ``make_case``) is
     ``1000 * seed`` + the shape's place in the draw, the same in every run and mode."""
     return [(1000 * seed + i, shape)
             for i, shape in enumerate(random_shapes(seed, count, kv_kinds))
-            if keep in ("both", shape[5])]
+            if keep in ("both", shape[5])
+            and (max_request_rows is None or shape[0] * shape[4] <= max_request_rows)]
 
 
 def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
@@ -502,6 +505,9 @@ def main() -> None:
     ap.add_argument("--random", type=str, default=None,
                     help="comma-separated seeds of random shape sets (random-SEED.csv)")
     ap.add_argument("--random-count", type=int, default=40)
+    ap.add_argument("--random-max-request-rows", type=int, default=None,
+                    help="keep the random shapes with at most this many query rows per "
+                         "request (heads x q_len) out of the --random-count drawn")
     ap.add_argument("--train", type=int, default=0,
                     help="bf16 random shapes timed on the policy's routes only (train.csv)")
     ap.add_argument("--train-seed", type=int, default=101)
@@ -574,7 +580,8 @@ def main() -> None:
                     f.flush()
     if args.graph_only:
         args.kv = BF
-    sets = [(f"random-{s}", random_set(int(s), args.random_count, keep=args.kv),
+    sets = [(f"random-{s}", random_set(int(s), args.random_count, keep=args.kv,
+                                       max_request_rows=args.random_max_request_rows),
              "graph" if args.graph_only else "random")
             for s in (args.random.split(",") if args.random else [])]
     if args.train:

@@ -272,8 +272,8 @@ def triton_peer(case: Case) -> Kernel:
 def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int) -> Kernel:
     """The CUDA split-KV kernel (route ``cuda-splitk``) under one launch configuration,
     called directly (planned once): ``splitk[s{stages}c{ctas_per_sm}m{min_tiles}]``
-    (``stages`` 0: 4 for 16-bit caches, 8 for FP8). FP8 caches are read with the bf16 query
-    (unit scales, as the benchmark's cases)."""
+    (0: the kernel's default, ``splitk_mla_decode.default_launch``). FP8 caches are read with
+    the bf16 query (unit scales, as the benchmark's cases)."""
     name = f"splitk[s{stages}c{ctas_per_sm}m{min_tiles}]"
     spec, device = case.spec, case.query.device
     reason = ROUTES["cuda-splitk"].unsupported_reason(spec, platform_of(device))
@@ -282,9 +282,8 @@ def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int) -> 
     from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig, SplitKMLADecode
 
     b = case.batch.batch_size
-    if stages == 0:  # the dtype's default depth
-        stages = None
-    config = SplitKConfig(stages=stages, ctas_per_sm=ctas_per_sm, min_tiles=min_tiles)
+    config = SplitKConfig(stages=stages or None, ctas_per_sm=ctas_per_sm or None,
+                          min_tiles=min_tiles)
     kernel = SplitKMLADecode(device, spec.num_heads, case.q_len, spec.block_size, b,
                              spec.q_dtype, config, kv_dtype=spec.kv_dtype)
     cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * case.q_len

@@ -40,7 +40,9 @@ def main() -> None:
     for path in args.csvs:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
-                if r["status"] == "ok" and r["kv"] == args.kv and r["kernel"].startswith("peer:"):
+                kernel = r["kernel"]
+                if (r["status"] == "ok" and r["kv"] == args.kv
+                        and kernel.startswith(("peer:", "route:", "splitk["))):
                     rows = int(r["heads"]) * int(r["q_len"])
                     by[r["kernel"]].append((int(r["bytes"]) / 1e6, float(r["us"]), rows))
     print(f"| kernel | shapes | n | fixed us | TB/s | median MB | fitted us at median |"

@@ -5,6 +5,7 @@
 #   bash benchmarks/splitk_gpu_run.sh check OUT   # correctness: ladder, memcheck, GPU tests
 #   bash benchmarks/splitk_gpu_run.sh bf16 OUT    # speed against every peer, bf16 cache
 #   bash benchmarks/splitk_gpu_run.sh fp8 OUT     # speed against FlashMLA FP8
+#   bash benchmarks/splitk_gpu_run.sh profile OUT # where the time goes (variants, ncu)
 #
 # `check` needs only torch and nvcc (FlashInfer stays off the path: the reliability tests
 # would prebuild its modules). The bench phases need .whl/ (../shared/device/fetch-wheels.sh)
@@ -27,16 +28,24 @@ case "$phase" in
       > "$out/pytest.log" 2>&1
     grep -E "passed|failed|error" "$out/pytest.log" | tail -5
     ;;
+  profile)
+    timeout 300 python3 benchmarks/splitk_profile.py 2>&1 | tee "$out/profile.log"
+    # stall reasons of one decode + combine (shape 3: h16 b128 8k ragged)
+    timeout 100 ncu --clock-control none -k regex:splitk_mla --launch-skip 2 --launch-count 2 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed" \
+      python3 benchmarks/splitk_profile.py --eager 3 > "$out/ncu.txt" 2>&1
+    ;;
   bf16 | fp8)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="$PWD/.peers:/tmp/site:$PYTHONPATH"
     if [ "$phase" = bf16 ]; then
       args=(--shapes 2,4,6,13,14,26 --random 1 --random-count 16 --kv bf16
-            --splitk-configs "4,1,4;3,1,4;2,2,4;4,1,16")
+            --splitk-configs "0,0,4;4,1,4;0,0,16")
     else
       args=(--shapes 28,29,30,36,41,42,43 --random 1 --random-count 16 --kv fp8
-            --splitk-configs "8,1,4;4,1,4;4,2,4")
+            --splitk-configs "0,0,4;8,1,4;0,0,16")
     fi
     timeout 560 python3 benchmarks/bench_decode.py --out "$out/$phase" --extra-routes cuda-splitk \
       "${args[@]}" > "$out/bench-$phase.log" 2>&1

@@ -36,10 +36,20 @@ def spec(heads=16, block=64, kv=BF16, q_len=1):
 
 @pytest.fixture
 def kernels_present(monkeypatch):
+    """Every kernel package, but no nvcc: the plugin's CUDA split-KV kernel cannot build, so
+    its batches fall to the routes behind it (what a machine without the CUDA toolkit runs)."""
     for mod in ("trtllm_gen", "flashinfer_mla", "flashmla", "flashmla_fp8", "triton_balanced",
                 "vllm_fa3_mla"):
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: True)
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc", lambda: None)
+
+
+@pytest.fixture
+def splitk_present(kernels_present, monkeypatch):
+    """Every kernel package and nvcc: the CUDA split-KV kernel builds."""
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc",
+                        lambda: "/usr/local/cuda/bin/nvcc")
 
 
 @pytest.fixture
@@ -89,6 +99,47 @@ CASES = [
 @pytest.mark.parametrize(("heads", "batch", "expected"), CASES)
 def test_sm90_policy_table(kernels_present, heads, batch, expected):
     assert choose_route(spec(heads), H200, shape=batch).name == expected
+
+
+# (heads, block, batch shape, expected first route) with nvcc present: the split-KV rule
+SPLITK_CASES = [
+    (16, 64, shape(64, 4 * K, 2 * K), "cuda-splitk"),  # ragged, 128k tokens (run 46: 1.05x)
+    (16, 64, shape(256, 4 * K, 2 * K), "cuda-splitk"),
+    (16, 64, shape(128, 8 * K, 4 * K), "cuda-splitk"),
+    (16, 64, shape(64, 32 * K), "cuda-splitk"),  # uniform from 8k on (32k: 1.05x)
+    (16, 64, shape(64, 4 * K), "flashinfer-fa3"),  # uniform 4k: FA3 (splitk 0.86x)
+    (16, 64, shape(256, 4 * K), "flashinfer-fa3"),
+    (16, 64, shape(94, 400, 332), "flashinfer-fa3"),  # 31k tokens: FA3's fixed cost wins
+    (16, 64, shape(47, 16 * K, 8 * K), "flashmla"),  # below 48 requests: the rules before
+    (16, 64, shape(32, 4 * K, 2 * K), "flashinfer-fa3"),
+    (16, 32, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),  # 32-token pages: not measured
+    (32, 64, shape(128, 8 * K, 4 * K), "flashinfer-fa3"),  # 32 rows: two row groups, slower
+    (8, 64, shape(155, 2400, 2376), "flashinfer-fa3"),  # 8 rows: 368k tokens but uniform
+    (16, 64, BatchShape(96, 1), "cuda-splitk"),  # CUDA graphs: by batch size alone
+    (16, 64, BatchShape(1024, 1), "cuda-splitk"),
+    (16, 64, BatchShape(1025, 1), "flashmla"),  # beyond the kernel's batch
+    (16, 64, BatchShape(95, 1), "flashmla"),  # short contexts lost at b81/b95 (run 46-47)
+    (16, 64, BatchShape(32, 1), "vllm-fa3-mla"),
+    (8, 64, BatchShape(128, 2), "cuda-splitk"),  # 8 heads x 2 tokens = 16 rows
+    (8, 64, BatchShape(128, 1), "vllm-fa3-mla"),  # 8 rows: vLLM's FA3 at any size
+    (16, 64, BatchShape(128, 2), "flashmla"),  # 32 rows
+]
+
+
+@pytest.mark.parametrize(("heads", "block", "batch", "expected"), SPLITK_CASES)
+def test_sm90_splitk_rule(splitk_present, heads, block, batch, expected):
+    s = spec(heads, block=block, q_len=batch.max_q_len)
+    assert choose_route(s, H200, shape=batch).name == expected
+
+
+def test_splitk_never_for_fp8_other_rows_or_off_hopper(splitk_present):
+    for s in (spec(16, kv=FP8), spec(128), spec(32), spec(8), spec(16, q_len=2),
+              spec(16, block=32)):
+        for ranking in (*policy.rankings(s, H200),
+                        *policy.rankings(s, H200, cuda_graph=True, max_batch_size=256)):
+            assert "cuda-splitk" not in ranking, (s, ranking)
+    assert "cuda-splitk" not in policy.rank(spec(16), B200, BatchShape(256, 1))
+    assert choose_route(spec(16, kv=FP8), H200, shape=BatchShape(256, 1)).name == "flashmla-fp8"
 
 
 def test_fp8_and_block32_never_take_bf16_flashmla(kernels_present):
@@ -302,9 +353,22 @@ def test_decoder_builds_only_the_routes_its_batches_can_reach(
             lens = torch.full((b,), 4 * K, dtype=torch.int32)
             dec.plan(DecodeBatch(torch.zeros(b, 512, dtype=torch.int32), lens, 4 * K,
                                  max_q_len=q, num_tokens=b * q))
-            assert dec.route.name == policy.rank(
+            assert dec.route.name == choose_route(
                 spec(heads, q_len=q_len), H200,
-                BatchShape(b, q) if cuda_graph else dec.batch_shape(dec._batch))[0]
+                shape=BatchShape(b, q) if cuda_graph else dec.batch_shape(dec._batch)).name
+
+
+def test_graph_decoder_with_nvcc_builds_the_split_kv_kernel_for_large_batches(
+        splitk_present, monkeypatch):
+    """16 heads, one token, CUDA graphs, nvcc present: vLLM's FA3 MLA kernel up to 32
+    requests, FlashMLA for 33-95, the plugin's split-KV kernel from 96 on."""
+    dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True)
+    assert dec.route_name == "vllm-fa3-mla+flashmla+cuda-splitk"
+    assert "flashinfer-fa3" not in stubs
+    for b, route in ((1, "vllm-fa3-mla"), (32, "vllm-fa3-mla"), (33, "flashmla"),
+                     (95, "flashmla"), (96, "cuda-splitk"), (512, "cuda-splitk")):
+        dec.plan(batch([300] * b))
+        assert dec.route.name == route, b
 
 
 @pytest.mark.parametrize(("heads", "q_len", "largest_fa3_batch"), [
@@ -384,7 +448,10 @@ def test_graph_rule_follows_the_paired_engine_rounds():
     decided = 0
     for p in points:
         assert p.other == "FLASH_ATTN_MLA" and p.kv == "auto"
-        route = policy.rank(spec(int(p.heads)), H200, BatchShape(p.batch, 1))[0]
+        ranking = policy.rank(spec(int(p.heads)), H200, BatchShape(p.batch, 1))
+        # The split-KV kernel, where its rule takes the batch, goes ahead of FlashMLA (kernel
+        # benchmark, run 46); FlashMLA stays right behind it.
+        route = ranking[1] if ranking[0] == "cuda-splitk" else ranking[0]
         if all(r < 1 for r in p.ratios):
             assert route == "vllm-fa3-mla", p
             decided += 1
@@ -392,3 +459,42 @@ def test_graph_rule_follows_the_paired_engine_rounds():
             assert route == "flashmla", p
             decided += 1
     assert decided == 2
+
+
+def _splitk_timed_shapes(files: list[str]):
+    """(row, times by kernel) of each bf16 shape in ``docs/bench-2026-12-01`` CSVs that
+    timed the split-KV route forced (``route:cuda-splitk``) beside every peer."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    from evaluate_policy import timed_rows
+
+    for name in files:
+        for ks in timed_rows(str(root / "docs" / "bench-2026-12-01" / name)).values():
+            r = next(iter(ks.values()))
+            if r["kv"] == "bf16" and "route:cuda-splitk" in ks:
+                yield r, {k: float(v["us"]) for k, v in ks.items()}
+
+
+@pytest.mark.parametrize("files", [
+    ["run46-decode.csv", "run46-random-1.csv", "run46-random-2.csv", "run46-random-3.csv",
+     "run47-random-4.csv", "run47-random-5.csv"],  # fitted on
+    ["run48-random-6.csv", "run48-random-7.csv", "run48-random-8.csv"],  # fresh seeds
+], ids=["fit", "fresh"])
+def test_splitk_rule_holds_on_every_timed_shape(files):
+    """Where the rule picks the split-KV kernel: with lengths known (eager) it ran at least
+    as fast as the best peer on every timed shape; under CUDA graphs (batch size only) at
+    least 0.98x FlashMLA, the route it displaces, and faster on geometric mean."""
+    eager, graph = [], []
+    for r, t in _splitk_timed_shapes(files):
+        heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
+        s = spec(heads, block=int(r["block"]), q_len=q)
+        lens = BatchShape(b, q, int(r["max_len"]), int(r["kv_tokens"]))
+        best = min(v for k, v in t.items() if k.startswith("peer:"))
+        if policy.rank(s, H200, lens)[0] == "cuda-splitk":
+            eager.append(best / t["route:cuda-splitk"])
+        if policy.rank(s, H200, BatchShape(b, q))[0] == "cuda-splitk":
+            graph.append(t["peer:vllm-flashmla"] / t["route:cuda-splitk"])
+    assert len(eager) >= 6 and len(graph) >= 8, (len(eager), len(graph))
+    assert min(eager) >= 1.0, eager
+    assert min(graph) >= 0.98, graph
+    assert sum(math.log(g) for g in graph) > 0

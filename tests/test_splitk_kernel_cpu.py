@@ -234,8 +234,11 @@ def test_sm90_builds_use_the_arch_specific_target():
     assert nvcc_build.target_flags((8, 0)) == ("-gencode=arch=compute_80,code=sm_80",)
 
 
-def test_policy_never_ranks_the_unmeasured_kernel():
-    for spec in (_spec(), _spec(num_heads=128), _spec(max_q_len=2),
+def test_policy_ranks_the_kernel_only_where_it_was_measured_to_win():
+    """16-bit caches with 9-16 query rows per request (run 46); never FP8 caches (0.38x
+    FlashMLA FP8), 32 or more rows per request, or 8 (vLLM's FA3 MLA kernel's rule)."""
+    assert any("cuda-splitk" in r for r in policy.rankings(_spec(), H200))
+    for spec in (_spec(num_heads=128), _spec(max_q_len=2), _spec(num_heads=8),
                  _spec(kv_dtype=torch.float8_e4m3fn)):
         for ranking in (*policy.rankings(spec, H200),
                         *policy.rankings(spec, H200, cuda_graph=True, max_batch_size=256)):

@@ -107,6 +107,8 @@ inline float __uint_as_float(u32 b) { return bits_to_float(b); }
 inline float __log2f(float x) { return std::log2(x); }
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
+template <typename T>
+inline T __ldcg(const T* p) { return *p; }
 
 inline u32 __byte_perm(u32 x, u32 y, u32 s) {
   const unsigned long long both = (static_cast<unsigned long long>(y) << 32) | x;

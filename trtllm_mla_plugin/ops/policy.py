@@ -22,6 +22,7 @@ FA3, FLASHMLA, FA2 = "flashinfer-fa3", "flashmla", "flashinfer-fa2"
 FLASHMLA_FP8 = "flashmla-fp8"
 VLLM_FA3 = "vllm-fa3-mla"
 TRITON = "triton-balanced"
+SPLITK = "cuda-splitk"
 
 # SM100/SM103: TRTLLM-gen is the kernel the plugin exists for; FlashInfer's CuTe DSL MLA
 # kernel takes head counts TRTLLM-gen cannot tile.
@@ -32,6 +33,9 @@ BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 HOPPER = (FA3, FLASHMLA, VLLM_FA3, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, VLLM_FA3, FA2, REFERENCE)
 HOPPER_VLLM_FA3_FIRST = (VLLM_FA3, FLASHMLA, FA3, FA2, REFERENCE)
+# SM90, 16-bit cache, 9-16 query rows per request, large batches: the plugin's CUDA split-KV
+# kernel (``hopper_prefers_splitk``) ahead of whichever ranking the batch has without it
+# (what runs where nvcc is missing).
 # SM90, FP8 cache: FlashMLA's dense FP8 kernel (FP8 query) first for every batch. Behind it,
 # for installs without that kernel, the bf16-query routes: FlashInfer FA3 reads FP8 at 9-15%
 # of the copy ceiling; the plugin's page-balanced Triton kernel is 1.3-2x faster than FA3
@@ -97,6 +101,32 @@ VLLM_FA3_GRAPH_MAX_ROWS = 2048
 #: after the fit), ran 12% faster on FlashMLA. Fitted on seeds 1-4 (geomean against vLLM's
 #: kernel 1.053 -> 1.063), checked on seed 7 (0.960 -> 0.983).
 VLLM_FA3_GRAPH_MAX_REQUEST_ROWS = 8
+#: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
+#: more than VLLM_FA3_GRAPH_MAX_REQUEST_ROWS and at most this many query rows per request
+#: (heads x query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and
+#: lost to every peer, 0.64x at h32 b64 4k ragged) ...
+SPLITK_MAX_REQUEST_ROWS = 16
+#: ... on pages FlashMLA also reads (64 tokens: where it was measured against FlashMLA) ...
+SPLITK_PAGE_MULTIPLE = 64
+#: ... in batches of at least this many requests when the lengths are known: below it the
+#: kernel's fixed cost (15 us at b1; one request cut over all 264 CTAs: 136 us against FA3's
+#: 39 us at h8 b1 52k) loses ...
+SPLITK_MIN_BATCH = 48
+#: ... and of at least this many under CUDA graphs (lengths unknown, FlashMLA the
+#: alternative). Runs 46-47 (H200, 9-16 rows per request, seeds 1-5 and the bf16 grid): all
+#: 14 timed shapes of >= 96 requests ran 0.985-1.38x FlashMLA's time (geomean 1.08); between
+#: 48 and 95 requests 12 of 14 were faster (1.04-1.24x) but the two shortest contexts lost
+#: (h8 b81 q2 at 340 tokens 0.86x, h16 b95 at 633 tokens 0.91x), which a graph cannot see.
+SPLITK_GRAPH_MIN_BATCH = 96
+#: ... and at most this many (the kernel keeps a step's lengths in shared memory).
+SPLITK_MAX_BATCH = 1024
+#: ... and, when the lengths are known (no CUDA graph: FlashInfer FA3 is the alternative),
+#: only with at least this many KV tokens (FA3's lower fixed cost wins short batches: h16
+#: b94 332 tokens 0.70x, h8 b340 359 0.87x) ...
+SPLITK_MIN_KV_TOKENS = 128 * 1024
+#: ... and uniform lengths only from this mean length on (FA3 keeps uniform mid-size
+#: batches: h16 b64 4k 0.86x, b256 4k 0.96x, b128 8k 0.98x; 9.8k-32k uniform: 1.04-1.05x).
+SPLITK_UNIFORM_MIN_MEAN_LEN = 8 * 1024 + 1
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -184,6 +214,33 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
 
 
+def splitk_candidate(spec: DecodeSpec) -> bool:
+    """Whether the SM90 rule can pick the CUDA split-KV kernel for some batch of ``spec``:
+    a 16-bit cache on pages of ``SPLITK_PAGE_MULTIPLE`` tokens and 9-16 query rows per
+    request at ``spec.max_q_len`` (the kernel's row groups are built for that length, so a
+    step with fewer query tokens runs the same kernel)."""
+    rows = spec.num_heads * spec.max_q_len
+    return (not spec.fp8_kv and spec.block_size % SPLITK_PAGE_MULTIPLE == 0
+            and VLLM_FA3_GRAPH_MAX_REQUEST_ROWS < rows <= SPLITK_MAX_REQUEST_ROWS)
+
+
+def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+    """The SM90 rule for the plugin's CUDA split-KV kernel (``splitk_candidate`` specs):
+    under CUDA graphs batches of ``SPLITK_GRAPH_MIN_BATCH`` or more; with lengths known,
+    ``SPLITK_MIN_BATCH`` or more with enough KV tokens and ragged (or long uniform) lengths
+    (see the constants)."""
+    if shape is None or not splitk_candidate(spec) or shape.batch_size > SPLITK_MAX_BATCH:
+        return False
+    if shape.max_seq_len is None:  # CUDA graphs: batch size alone
+        return shape.batch_size >= SPLITK_GRAPH_MIN_BATCH
+    if shape.batch_size < SPLITK_MIN_BATCH:
+        return False
+    kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
+    if kv_tokens < SPLITK_MIN_KV_TOKENS:
+        return False
+    return _ragged(shape) or kv_tokens / shape.batch_size >= SPLITK_UNIFORM_MIN_MEAN_LEN
+
+
 def triton_fp8_candidate(spec: DecodeSpec) -> bool:
     """Whether the SM90 FP8 rule can pick the Triton kernel for some batch of ``spec``."""
     return (spec.fp8_kv and spec.num_heads <= TRITON_FP8_MAX_HEADS
@@ -229,7 +286,8 @@ def rank(
             return HOPPER_FP8_FEW_HEADS if hopper_prefers_triton(spec, shape) else HOPPER_FP8
         if hopper_prefers_vllm_fa3(spec, shape):
             return HOPPER_VLLM_FA3_FIRST
-        return HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
+        ranking = HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
+        return (SPLITK, *ranking) if hopper_prefers_splitk(spec, shape) else ranking
     if platform.capability >= (8, 0):
         return AMPERE_ADA
     return OTHER
@@ -257,5 +315,7 @@ def rankings(
         if spec.fp8_kv:
             few_heads = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()
             return (HOPPER_FP8, *few_heads)
-        return (HOPPER, HOPPER_FLASHMLA_FIRST, HOPPER_VLLM_FA3_FIRST)
+        splitk = (((SPLITK, *HOPPER), (SPLITK, *HOPPER_FLASHMLA_FIRST))
+                  if splitk_candidate(spec) else ())
+        return (HOPPER, HOPPER_FLASHMLA_FIRST, HOPPER_VLLM_FA3_FIRST, *splitk)
     return (rank(spec, platform),)

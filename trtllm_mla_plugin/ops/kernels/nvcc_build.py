@@ -66,14 +66,16 @@ def _nvcc_version(nvcc: str) -> str:
                           check=True).stdout
 
 
-def compile_command(nvcc: str, source: Path, output: Path,
-                    capability: tuple[int, int]) -> list[str]:
-    return [nvcc, *target_flags(capability), *BASE_FLAGS, "-cubin", "-o", str(output),
-            str(source)]
+def compile_command(nvcc: str, source: Path, output: Path, capability: tuple[int, int],
+                    defines: tuple[str, ...] = ()) -> list[str]:
+    return [nvcc, *target_flags(capability), *BASE_FLAGS, *(f"-D{d}" for d in defines),
+            "-cubin", "-o", str(output), str(source)]
 
 
-def build_cubin(source: Path, capability: tuple[int, int]) -> Path:
-    """The cubin of ``source`` for ``capability``, compiled on first use.
+def build_cubin(source: Path, capability: tuple[int, int],
+                defines: tuple[str, ...] = ()) -> Path:
+    """The cubin of ``source`` for ``capability`` (preprocessor ``defines``, e.g. a
+    benchmark's diagnostic variant), compiled on first use.
 
     Raises ``RuntimeError`` naming the fix when ``nvcc`` is missing or the build fails.
     """
@@ -84,7 +86,7 @@ def build_cubin(source: Path, capability: tuple[int, int]) -> Path:
             "install it (e.g. the CUDA toolkit matching your driver) and put it on PATH or "
             "set CUDA_HOME")
     text = source.read_bytes()
-    key = hashlib.sha256(text + repr((target_flags(capability), BASE_FLAGS)).encode()
+    key = hashlib.sha256(text + repr((target_flags(capability), BASE_FLAGS, defines)).encode()
                          + _nvcc_version(nvcc).encode()).hexdigest()[:20]
     out_dir = cache_dir() / "cubin"
     target = out_dir / f"{source.stem}-sm{capability[0]}{capability[1]}-{key}.cubin"
@@ -96,7 +98,7 @@ def build_cubin(source: Path, capability: tuple[int, int]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".cubin.tmp")
     os.close(fd)
     try:
-        done = subprocess.run(compile_command(nvcc, source, Path(tmp), capability),
+        done = subprocess.run(compile_command(nvcc, source, Path(tmp), capability, defines),
                               capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"nvcc failed to compile {source.name} for SM{capability[0]}"

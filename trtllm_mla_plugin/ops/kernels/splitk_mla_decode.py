@@ -32,6 +32,9 @@ HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 TILE_TOKENS = 32
 #: Requests per launch (the kernel keeps lengths and offsets in shared memory).
 MAX_BATCH = 1024
+#: The combine kernel's work items per request: 128-column chunks of the 512 latent columns.
+COMBINE_CHUNKS = 4
+MAX_GRID_X = 2**31 - 1
 LOG2E = 1.4426950408889634
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 FP8 = torch.float8_e4m3fn
@@ -68,21 +71,31 @@ class SplitKParams(ctypes.Structure):
 
 @dataclass(frozen=True)
 class SplitKConfig:
-    """Launch choices (to be fitted on the H200; see docs/benchmarks.md).
+    """Launch choices; ``None`` takes ``default_launch``'s measured choice.
 
     Attributes:
         stages: KV tiles in flight per CTA (``STAGES``: 2-4 for 16-bit caches, 4 or 8 for
-            FP8; ``None``: 4, or 8 for FP8).
+            FP8).
         ctas_per_sm: decode CTAs per SM (one wave: the grid is ``SMs x ctas_per_sm``).
         min_tiles: fewest 32-token tiles per CTA; small batches use fewer CTAs (fewer
             partial results to combine).
-        combine_ctas_per_sm: CTAs of the persistent combine kernel per SM.
     """
 
     stages: int | None = None
-    ctas_per_sm: int = 1
+    ctas_per_sm: int | None = None
     min_tiles: int = 4
-    combine_ctas_per_sm: int = 2
+
+
+def default_launch(groups: int, fp8_kv: bool) -> tuple[int, int]:
+    """``(stages, ctas_per_sm)`` for ``groups`` row groups. One row group (128 threads,
+    ~236 registers) fits two CTAs per SM: twice the warps to hide the per-tile latency
+    chain, which ``benchmarks/splitk_profile.py`` shows is what limits one CTA (H200, run
+    44: math alone over stale tiles 99 against 129 us, loads alone 145 against 142 us, at
+    h16 b128 8k); shared memory then holds two 16-bit stages or four FP8 ones per CTA. Two
+    row groups (256 threads) fit one CTA per SM."""
+    if groups == 1:
+        return (4 if fp8_kv else 2), 2
+    return (8 if fp8_kv else 4), 1
 
 
 def row_groups(heads: int, max_q_len: int) -> int:
@@ -154,11 +167,13 @@ class SplitKMLADecode:
         rows = 16 * self.groups
         self.head_blocks = head_blocks(heads, max_q_len)
         sms = torch.cuda.get_device_properties(index).multi_processor_count
-        self.num_ctas = sms * self.config.ctas_per_sm
-        self.combine_ctas = sms * self.config.combine_ctas_per_sm
-        stages = self.config.stages or (8 if self.fp8_kv else 4)
+        default_stages, default_ctas = default_launch(self.groups, self.fp8_kv)
+        self.ctas_per_sm = self.config.ctas_per_sm or default_ctas
+        self.num_ctas = sms * self.ctas_per_sm
+        stages = self.config.stages or default_stages
         if stages not in STAGES[self.fp8_kv]:
             raise ValueError(f"stages={stages}: compiled depths are {STAGES[self.fp8_kv]}")
+        self.stages = stages
         self.decode_shared = decode_shared_bytes(stages, self.groups, self.fp8_kv)
         self.combine_shared = self.num_ctas * rows * 4
         self._module = _module(index)
@@ -195,6 +210,18 @@ class SplitKMLADecode:
         ``[batch]`` and ``cu_q`` ``[batch + 1]`` int32, into contiguous ``out``
         ``[tokens, heads, 512]``; returns ``out``. Scores are ``query * q_scale`` dot
         ``cache * k_scale``, values ``cache[..., :512] * v_scale`` (FP8 caches; 1 otherwise)."""
+        p = self.launch_params(query, kv_cache, block_table, seq_lens, cu_q, out,
+                               softmax_scale, q_scale, k_scale, v_scale)
+        self.launch_decode(p)
+        # The combine may start while the decode grid drains (it waits for it on the GPU).
+        self.launch_combine(p)
+        return out
+
+    def launch_params(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor, cu_q: torch.Tensor,
+                      out: torch.Tensor, softmax_scale: float, q_scale: float = 1.0,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> SplitKParams:
+        """The launch struct of ``run``'s arguments (checked)."""
         if kv_cache.stride(2) != 1 or kv_cache.stride(1) != HEAD_DIM:
             raise ValueError("the split-KV kernel needs cache rows of 576 contiguous elements")
         if block_table.stride(1) != 1:
@@ -211,10 +238,25 @@ class SplitKMLADecode:
         p.batch = seq_lens.shape[0]
         p.scale_log2, p.q_prescale, p.out_scale = launch_scales(
             self.fp8_kv, softmax_scale, q_scale, k_scale, v_scale)
-        threads = 128 * self.groups
-        self._module.launch(self._decode, (self.num_ctas, self.head_blocks), threads,
+        return p
+
+    def launch_decode(self, p: SplitKParams) -> None:
+        self._module.launch(self._decode, (self.num_ctas, self.head_blocks), 128 * self.groups,
                             self.decode_shared, p)
-        # The combine may start while the decode grid drains (it waits for it on the GPU).
-        self._module.launch(self._combine, (self.combine_ctas, self.head_blocks), 128,
+
+    def launch_combine(self, p: SplitKParams) -> None:
+        # One CTA per (request, 128-column chunk): an item without partials exits before
+        # waiting for the decode grid.
+        items = min(COMBINE_CHUNKS * max(p.batch, 1), MAX_GRID_X)
+        self._module.launch(self._combine, (items, self.head_blocks), 128,
                             self.combine_shared, p, programmatic=True)
-        return out
+
+    def use_module(self, module: CubinModule) -> None:
+        """Launch from ``module`` (a build of the same source with other defines, e.g.
+        ``benchmarks/splitk_profile.py``'s variants) instead of the default build."""
+        self._module = module
+        self._decode = module.function(
+            decode_kernel_name(self.dtype, self.fp8_kv, self.groups, self.stages),
+            self.decode_shared)
+        self._combine = module.function(
+            f"splitk_mla_combine_{DTYPE_NAMES[self.dtype]}_rg{self.groups}", self.combine_shared)

@@ -7,9 +7,9 @@ Eligibility: SM90 (where it was written and is measured), ``nvcc`` to compile it
 use, DeepSeek-style latent 512 + RoPE 64, a bf16/fp16 query over a cache of the same dtype
 or of FP8 e4m3 (read with the 16-bit query: bf16-query accuracy, unlike FlashMLA's FP8
 kernel), pages of a multiple of 32 tokens, up to 1024 requests per step and 16 query
-tokens per request. Which batches it serves is ``ops.policy``'s call;
-until a measured run shows where it wins, the policy ranks it nowhere (benchmarks and
-``TRTLLM_MLA_DECODE_ROUTE=cuda-splitk`` force it).
+tokens per request. Which batches it serves is ``ops.policy``'s call
+(``hopper_prefers_splitk``: 9-16 query rows per request, large batches; measured on the
+H200 in docs/benchmarks.md); ``TRTLLM_MLA_DECODE_ROUTE=cuda-splitk`` forces it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from __future__ import annotations
 import torch
 
 from ..kernels.nvcc_build import find_nvcc
-from ..kernels.splitk_mla_decode import DTYPE_NAMES, FP8, TILE_TOKENS, SplitKMLADecode
+from ..kernels.splitk_mla_decode import (
+    DTYPE_NAMES,
+    FP8,
+    MAX_BATCH,
+    TILE_TOKENS,
+    SplitKMLADecode,
+)
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
 from .base import DecodeRoute, StagedQueryOffsets, StagedTables, check_unit_scales
@@ -58,14 +64,20 @@ class CudaSplitKRoute(DecodeRoute):
         cuda_graph: bool = False,
     ) -> None:
         super().__init__(spec, device, max_batch_size, cuda_graph)
+        # A decoder sized for more requests than the kernel takes still holds this route for
+        # the batches the policy gives it (at most MAX_BATCH).
+        self.kernel_batch = min(max_batch_size, MAX_BATCH)
         self.kernel_launcher = SplitKMLADecode(device, spec.num_heads, spec.max_q_len,
-                                               spec.block_size, max_batch_size, spec.q_dtype,
-                                               kv_dtype=spec.kv_dtype)
+                                               spec.block_size, self.kernel_batch,
+                                               spec.q_dtype, kv_dtype=spec.kv_dtype)
         self._cu_q = StagedQueryOffsets(max_batch_size, device)
         self._tables = StagedTables(max_batch_size, device)
         self._tensors: tuple[torch.Tensor, ...] = ()
 
     def plan(self, batch: DecodeBatch) -> None:
+        if batch.batch_size > self.kernel_batch:
+            raise ValueError(f"{batch.batch_size} requests: the CUDA split-KV kernel takes up "
+                             f"to {self.kernel_batch} per step; pick another route")
         if self.cuda_graph:
             block_table, seq_lens = self._tables.stage(batch)
         else:

@@ -329,6 +329,9 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   const int start = range_start(c, total, active);
   const int end = range_start(c + 1, total, active);
   if (start >= end) return;
+#ifdef SPLITK_DIAG_EMPTY  // benchmarks/splitk_profile.py: launch + schedule only
+  return;
+#endif
 
   // The request holding tile `start`: the last i with s_pref[i] <= start.
   int first_req = 0;
@@ -359,6 +362,9 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
     return s;
   };
   auto issue = [&](int stage, const TileSource& s) {
+#ifdef SPLITK_DIAG_SKIP_KV  // benchmarks/splitk_profile.py: math over stale shared memory
+    return;
+#endif
     if (s.valid < 0) return;
     const i64 first = static_cast<i64>(s.page) * p.kv_page_stride +
                       static_cast<i64>(s.first_token) * kHeadDim;  // elements
@@ -530,6 +536,9 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
       load_query(r, qnext);
     }
 
+#ifdef SPLITK_DIAG_SKIP_MATH  // benchmarks/splitk_profile.py: loads and schedule only
+    continue;
+#endif
     const u32 st = kv_base + ((x - start) % STAGES) * TILE_BYTES;
     const int tok0 = (x - s_pref[req]) * kTile;
 
@@ -605,10 +614,12 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
       }
 #pragma unroll
     for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + rowsum[h];
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {  // most tiles leave the running maximum alone
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
-      o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+      for (int n = 0; n < 16; ++n) {
+        o[n][0] *= alpha[0]; o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1]; o[n][3] *= alpha[1];
+      }
     }
 
     // Output: this warp's 128 of the 512 latent columns, over the tile's 32 tokens.
@@ -652,31 +663,36 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
 }
 
 // Combines the partials of every request cut by range borders. Work item = (request,
-// 128-column chunk); a persistent grid strides over the items, skipping whole requests and
-// writing zeros for requests without keys.
+// 128-column chunk), one per CTA (the grid covers them; a stride loop keeps any grid
+// correct). The schedule (tile prefix sums, query offsets: written before the decode
+// launch) is read before waiting for the decode grid, so an item that has nothing to
+// combine exits and the rest overlap the decode's tail; after the wait, one round of loads
+// for the log-sum-exps and one for the partial outputs. Requests without keys (an engine's
+// padding rows) get zeros rather than stale memory, so nothing undefined flows into the
+// layers after attention.
 template <bool FP16, int RG>
 __device__ __forceinline__ void combine_body(const SplitKParams& p) {
   constexpr int ROWS = 16 * RG;
-  extern __shared__ __align__(16) float s_w[];  // [num_ctas][ROWS] weights
+  constexpr int kRowsPerWarp = ROWS / 4;
+  constexpr int kBatchSplits = 4 / RG;  // splits loaded together per row (16 float4 per thread)
+  extern __shared__ __align__(16) float s_w[];  // [splits][ROWS] weights
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hb = blockIdx.y;
-  wait_for_prior_grid();
   const int total = p.tile_prefix[p.batch];
   const int active = total > 0 ? active_ctas(total, p.num_ctas, p.min_tiles) : 1;
 
   for (int item = blockIdx.x; item < p.batch * 4; item += gridDim.x) {
     const int req = item >> 2, chunk = item & 3;
     const int first = p.tile_prefix[req], tiles = p.tile_prefix[req + 1] - first;
-    if (tiles <= 0) {
-      // A request without keys (an engine's padding row): zeros rather than stale memory,
-      // so nothing undefined flows into the layers after attention.
-      const int qlen = p.cu_q[req + 1] - p.cu_q[req];
-      const i64 qrow0 = static_cast<i64>(p.cu_q[req]) * p.heads;
-      for (int r = warp; r < ROWS; r += 4) {
-        const int rr = hb * ROWS + r;
-        if (rr < qlen * p.heads)
-          *reinterpret_cast<uint2*>(p.out + (qrow0 + rr) * kLatent + chunk * 128 + lane * 4) =
-              make_uint2(0u, 0u);
+    const int qrows = (p.cu_q[req + 1] - p.cu_q[req]) * p.heads;
+    const i64 qrow0 = static_cast<i64>(p.cu_q[req]) * p.heads;
+    const int col = chunk * 128 + lane * 4;
+    if (tiles <= 0) {  // the decode never writes these rows: no need to wait for it
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int rr = hb * ROWS + warp + 4 * i;
+        if (rr < qrows)
+          *reinterpret_cast<uint2*>(p.out + (qrow0 + rr) * kLatent + col) = make_uint2(0u, 0u);
       }
       continue;
     }
@@ -685,13 +701,16 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
     if (splits <= 1) continue;
     const i64 base = static_cast<i64>(hb) * 2 * p.num_ctas;
     auto slot_of = [&](int s) { return split_slot(s, c_first, first, total, active); };
+    wait_for_prior_grid();  // the partials are the decode grid's (returns at once when repeated)
 
     for (int idx = tid; idx < splits * ROWS; idx += 128) {
       const int s = idx / ROWS, r = idx % ROWS;
-      s_w[idx] = p.part_lse[(base + slot_of(s)) * ROWS + r];
+      s_w[idx] = __ldcg(p.part_lse + (base + slot_of(s)) * ROWS + r);
     }
     __syncthreads();
-    for (int r = warp; r < ROWS; r += 4) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = warp + 4 * i;
       float mx = neg_inf();
       for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, s_w[s * ROWS + r]);
 #pragma unroll
@@ -708,21 +727,37 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
     }
     __syncthreads();
 
-    const int qlen = p.cu_q[req + 1] - p.cu_q[req];
-    const i64 qrow0 = static_cast<i64>(p.cu_q[req]) * p.heads;
-    const int col = chunk * 128 + lane * 4;
-    for (int r = warp; r < ROWS; r += 4) {
-      const int rr = hb * ROWS + r;
-      if (rr >= qlen * p.heads) continue;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int s = 0; s < splits; ++s) {
-        const float w = s_w[s * ROWS + r];
-        const float4 v = *reinterpret_cast<const float4*>(
-            p.part_o + ((base + slot_of(s)) * ROWS + r) * kLatent + col);
-        acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-      }
+    // Every row's loads of a batch of splits are issued before any output is stored (a
+    // store in between would keep the compiler from hoisting the next row's loads).
+    float4 acc[kRowsPerWarp];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < splits; s0 += kBatchSplits) {
+      float4 v[kRowsPerWarp][kBatchSplits];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+        for (int u = 0; u < kBatchSplits; ++u)
+          v[i][u] = s0 + u < splits
+                        ? __ldcg(reinterpret_cast<const float4*>(
+                              p.part_o + ((base + slot_of(s0 + u)) * ROWS + warp + 4 * i) * kLatent + col))
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+        for (int u = 0; u < kBatchSplits; ++u) {
+          const float w = s0 + u < splits ? s_w[(s0 + u) * ROWS + warp + 4 * i] : 0.f;
+          acc[i].x += w * v[i][u].x; acc[i].y += w * v[i][u].y;
+          acc[i].z += w * v[i][u].z; acc[i].w += w * v[i][u].w;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int rr = hb * ROWS + warp + 4 * i;
+      if (rr >= qrows) continue;
       u16* dst = p.out + (qrow0 + rr) * kLatent + col;
-      *reinterpret_cast<uint2*>(dst) = make_uint2(pack16<FP16>(acc.x, acc.y), pack16<FP16>(acc.z, acc.w));
+      *reinterpret_cast<uint2*>(dst) =
+          make_uint2(pack16<FP16>(acc[i].x, acc[i].y), pack16<FP16>(acc[i].z, acc[i].w));
     }
     __syncthreads();  // s_w is rewritten by the next item
   }

@@ -83,6 +83,8 @@ def test_hopper_fp8_few_heads_takes_triton(monkeypatch):
     for mod in ROUTE_MODULES:
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: name in ("flashinfer", "triton"))
+    # no CUDA toolkit: the bf16 batch below would otherwise go to the plugin's split-KV kernel
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc", lambda: None)
     big = BatchShape(64, 1, 4096, 64 * 2048)
     assert choose_route(spec(kv=FP8), H200, shape=big).name == "triton-balanced"
     assert choose_route(spec(kv=FP8), H200).name == "flashinfer-fa3"  # default: no batch yet

@@ -61,7 +61,7 @@ L2_BYTES = 50 * 2**20
 REPS_PER_GRAPH = 10
 K = 1024
 
-# (heads, batch, ctx, lens "u"/"r", q_len, kv dtype, block)
+# (heads, batch, ctx, lens "u"/"r"/"rLO"/"oFRAC" (see case_lengths), q_len, kv dtype, block)
 BF, F8 = "bf16", "fp8"
 FULL = [
     (16, 1, 8 * K, "u", 1, BF, 64), (16, 32, 4 * K, "u", 1, BF, 64),
@@ -91,6 +91,10 @@ FULL = [
     (16, 64, 4 * K, "r", 2, F8, 64), (16, 1, 8 * K, "u", 1, F8, 64),
     (32, 128, 8 * K, "r", 1, F8, 64), (16, 8, 8 * K, "u", 1, F8, 64),
     (16, 16, 4 * K, "r", 1, F8, 64), (16, 32, 4 * K, "r", 1, F8, 64),
+    # one long request among many short ones ("o": the first request at ctx, the rest at
+    # that fraction of it): the split-KV kernel cuts the long one over many CTAs
+    (16, 96, 64 * K, "o0.03", 1, BF, 64), (16, 128, 32 * K, "o0.06", 1, BF, 64),
+    (8, 128, 64 * K, "o0.03", 2, BF, 64),
 ]
 QUICK = [FULL[i] for i in (1, 4, 6, 8, 10, 19, 21, 23)]
 #: The SM90 policy's FlashMLA threshold (16k) sits between measured 8k and 32k shapes;
@@ -146,14 +150,23 @@ def random_set(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8),
             and (max_request_rows is None or shape[0] * shape[4] <= max_request_rows)]
 
 
+def case_lengths(kind: str, ctx: int, b: int, q_len: int, g: torch.Generator) -> list[int]:
+    """KV lengths of a shape's ``b`` requests: ``u`` all ``ctx``; ``r`` / ``rLO`` uniform in
+    ``[LO * ctx, ctx]`` (LO 0 when absent); ``oFRAC`` the first request ``ctx`` and the rest
+    ``FRAC * ctx`` (one long request among short ones). Never below ``q_len``."""
+    if kind == "u":
+        return [ctx] * b
+    if kind.startswith("o"):
+        short = max(q_len, 1, int(float(kind[1:]) * ctx))
+        return [ctx] + [short] * (b - 1)
+    low = max(q_len, 1, int(float(kind[1:] or 0) * ctx))
+    return torch.randint(low, ctx + 1, (b,), generator=g).tolist()
+
+
 def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
     heads, b, ctx, kind, m, kvd, block = shape
     g = torch.Generator(device="cpu").manual_seed(seed)
-    if kind == "u":
-        lens = [ctx] * b
-    else:
-        low = max(m, 1, int(float(kind[1:] or 0) * ctx))
-        lens = torch.randint(low, ctx + 1, (b,), generator=g).tolist()
+    lens = case_lengths(kind, ctx, b, m, g)
     need = [-(-n // block) for n in lens]
     width = -(-ctx // block)
     nblocks = sum(need) + 1

@@ -318,3 +318,12 @@ def test_fixed_cost_fit_recovers_a_known_line():
            enumerate((10, 20, 40, 80, 160, 320, 640, 1280))]
     fixed, tbps = fit_fixed_cost.fit(pts)
     assert abs(fixed - 9.0) < 0.3 and abs(tbps - 3.5) < 0.02
+
+
+def test_case_lengths_kinds():
+    g = torch.Generator().manual_seed(0)
+    assert bench_decode.case_lengths("u", 4096, 3, 1, g) == [4096] * 3
+    assert bench_decode.case_lengths("o0.03", 65536, 96, 1, g) == [65536] + [1966] * 95
+    ragged = bench_decode.case_lengths("r0.50", 4096, 200, 2, g)
+    assert len(ragged) == 200 and min(ragged) >= 2048 and max(ragged) <= 4096
+    assert min(bench_decode.case_lengths("r", 64, 200, 4, g)) >= 4  # never below q_len

@@ -242,12 +242,17 @@ class _StubRoute:
         self.plans.append((batch.batch_size, self.sort_by_length))
 
 
-def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16, q_len=1, max_batch=512):
+def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16, q_len=1, max_batch=512,
+                 failing=()):
+    """An ``MLADecoder`` on a fake H200 whose routes are stubs; building a route named in
+    ``failing`` raises (a kernel that does not compile or load)."""
     monkeypatch.setattr(decoder_mod, "platform_of", lambda device: H200)
     stubs = {}
 
     def factory(name):
         def make(spec, device, max_batch_size, cuda_graph=False):
+            if name in failing:
+                raise RuntimeError(f"{name}: nvcc failed to compile")
             stubs[name] = _StubRoute(name, name.startswith("flashinfer"))
             return stubs[name]
         return make
@@ -369,6 +374,19 @@ def test_graph_decoder_with_nvcc_builds_the_split_kv_kernel_for_large_batches(
                      (95, "flashmla"), (96, "cuda-splitk"), (512, "cuda-splitk")):
         dec.plan(batch([300] * b))
         assert dec.route.name == route, b
+
+
+def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
+        splitk_present, monkeypatch, caplog):
+    """nvcc present but the build (or the cubin's load) fails at engine start: a warning
+    names the error, and the batches the rule gives the kernel run the next route of their
+    ranking (FlashMLA), which the decoder holds anyway."""
+    dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True,
+                              failing=("cuda-splitk",))
+    assert dec.route_name == "vllm-fa3-mla+flashmla" and "cuda-splitk" not in stubs
+    assert "cuda-splitk" in caplog.text and "nvcc failed to compile" in caplog.text
+    dec.plan(batch([300] * 128))
+    assert dec.route.name == "flashmla"
 
 
 @pytest.mark.parametrize(("heads", "q_len", "largest_fa3_batch"), [

@@ -285,3 +285,31 @@ def test_launch_config_structs_match_cuda_h(tmp_path):
         assert got[name] == [getattr(LaunchConfig, name).offset], name
     from trtllm_mla_plugin.ops.kernels.cuda_driver import PROGRAMMATIC_STREAM_SERIALIZATION
     assert got["psa"] == [PROGRAMMATIC_STREAM_SERIALIZATION]
+
+
+def test_route_refuses_batches_beyond_the_kernel(monkeypatch):
+    """A decoder built for more requests than the kernel takes still holds the route (the
+    policy gives it at most MAX_BATCH); a larger batch forced onto it is refused with the
+    fix, not computed."""
+    from trtllm_mla_plugin.ops import DecodeBatch
+    from trtllm_mla_plugin.ops.routes import cuda_splitk
+
+    built = {}
+
+    class FakeKernel:
+        def __init__(self, device, heads, max_q_len, page_size, max_batch, dtype, **kw):
+            built["max_batch"] = max_batch
+
+        def plan(self, seq_lens):
+            built["planned"] = seq_lens.shape[0]
+
+    monkeypatch.setattr(cuda_splitk, "SplitKMLADecode", FakeKernel)
+    route = cuda_splitk.CudaSplitKRoute(_spec(), torch.device("cpu"), 4096)
+    assert built["max_batch"] == sk.MAX_BATCH
+    lens = torch.full((sk.MAX_BATCH + 1,), 64, dtype=torch.int32)
+    too_many = DecodeBatch(torch.zeros(sk.MAX_BATCH + 1, 1, dtype=torch.int32), lens, 64)
+    with pytest.raises(ValueError, match="takes up to 1024 per step; pick another route"):
+        route.plan(too_many)
+    ok = DecodeBatch(torch.zeros(8, 1, dtype=torch.int32), lens[:8], 64)
+    route.plan(ok)
+    assert built["planned"] == 8

@@ -269,27 +269,36 @@ def triton_peer(case: Case) -> Kernel:
     return Kernel(name, call, out=out)
 
 
+def planned_splitk(case: Case, config=None) -> tuple:
+    """The CUDA split-KV kernel (``SplitKMLADecode``, launch ``config``) built and planned
+    for ``case``: ``(kernel, query offsets [b + 1] int32, output [tokens, heads, 512])``."""
+    from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKMLADecode
+
+    spec, device, b = case.spec, case.query.device, case.batch.batch_size
+    kernel = SplitKMLADecode(device, spec.num_heads, case.q_len, spec.block_size, b,
+                             spec.q_dtype, config, kv_dtype=spec.kv_dtype)
+    kernel.plan(case.batch.seq_lens)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * case.q_len
+    out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
+                      dtype=spec.q_dtype, device=device)
+    return kernel, cu_q, out
+
+
 def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int) -> Kernel:
     """The CUDA split-KV kernel (route ``cuda-splitk``) under one launch configuration,
     called directly (planned once): ``splitk[s{stages}c{ctas_per_sm}m{min_tiles}]``
     (0: the kernel's default, ``splitk_mla_decode.default_launch``). FP8 caches are read with
     the bf16 query (unit scales, as the benchmark's cases)."""
     name = f"splitk[s{stages}c{ctas_per_sm}m{min_tiles}]"
-    spec, device = case.spec, case.query.device
-    reason = ROUTES["cuda-splitk"].unsupported_reason(spec, platform_of(device))
+    spec = case.spec
+    reason = ROUTES["cuda-splitk"].unsupported_reason(spec, platform_of(case.query.device))
     if reason is not None:
         return Kernel(name, absent=f"not eligible: {reason}")
-    from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig, SplitKMLADecode
+    from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig
 
-    b = case.batch.batch_size
     config = SplitKConfig(stages=stages or None, ctas_per_sm=ctas_per_sm or None,
                           min_tiles=min_tiles)
-    kernel = SplitKMLADecode(device, spec.num_heads, case.q_len, spec.block_size, b,
-                             spec.q_dtype, config, kv_dtype=spec.kv_dtype)
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device) * case.q_len
-    kernel.plan(case.batch.seq_lens)
-    out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
-                      dtype=spec.q_dtype, device=device)
+    kernel, cu_q, out = planned_splitk(case, config)
 
     def call(cache: torch.Tensor) -> torch.Tensor:
         return kernel.run(case.query, cache, case.batch.block_table, case.batch.seq_lens,

@@ -44,7 +44,7 @@ def main() -> None:
                 if (r["status"] == "ok" and r["kv"] == args.kv
                         and kernel.startswith(("peer:", "route:", "splitk["))):
                     rows = int(r["heads"]) * int(r["q_len"])
-                    by[r["kernel"]].append((int(r["bytes"]) / 1e6, float(r["us"]), rows))
+                    by[kernel].append((int(r["bytes"]) / 1e6, float(r["us"]), rows))
     print(f"| kernel | shapes | n | fixed us | TB/s | median MB | fitted us at median |"
           f"{' us at copy ceiling |' if args.copy_gbps else ''}")
     print("|---|---|---|---|---|---|---|" + ("---|" if args.copy_gbps else ""))

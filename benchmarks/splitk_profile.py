@@ -32,13 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import BF, F8, K, bytes_flops, ceilings, make_case, time_graph
+from decode_kernels import planned_splitk
 
 from trtllm_mla_plugin.ops.kernels.cuda_driver import CubinModule
 from trtllm_mla_plugin.ops.kernels.nvcc_build import build_cubin
 from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import (
     SOURCE,
     SplitKConfig,
-    SplitKMLADecode,
 )
 
 #: (heads, batch, ctx, lengths, q_len, cache, page): bench_decode's shape tuples.
@@ -58,24 +58,11 @@ VARIANTS = {"empty": ("SPLITK_DIAG_EMPTY",), "no-math": ("SPLITK_DIAG_SKIP_MATH"
             "no-kv": ("SPLITK_DIAG_SKIP_KV",)}
 
 
-def kernel_for(case, config: SplitKConfig) -> tuple[SplitKMLADecode, torch.Tensor, torch.Tensor]:
-    """The kernel planned for ``case``, its query offsets and output."""
-    spec, b = case.spec, case.batch.batch_size
-    k = SplitKMLADecode(case.query.device, spec.num_heads, case.q_len, spec.block_size, b,
-                        spec.q_dtype, config, kv_dtype=spec.kv_dtype)
-    k.plan(case.batch.seq_lens)
-    cu_q = torch.arange(b + 1, dtype=torch.int32, device=case.query.device) * case.q_len
-    out = torch.empty(case.query.shape[0], spec.num_heads, 512, dtype=spec.q_dtype,
-                      device=case.query.device)
-    return k, cu_q, out
-
-
 def time_variants(case, config: SplitKConfig,
                   modules: dict[str, CubinModule]) -> tuple[dict[str, float], tuple[int, int]]:
     """Microseconds per call of each of ``COLUMNS`` for ``case``, and the launch's
     ``(stages, ctas_per_sm)``."""
-    k, cu_q, out = kernel_for(case, config)
-    default = k._module
+    k, cu_q, out = planned_splitk(case, config)
 
     def call(cache: torch.Tensor, combine: bool = True) -> torch.Tensor:
         p = k.launch_params(case.query, cache, case.batch.block_table, case.batch.seq_lens,
@@ -90,7 +77,6 @@ def time_variants(case, config: SplitKConfig,
     for name, module in modules.items():
         k.use_module(module)
         times[name] = time_graph(lambda c: call(c, combine=False), case)
-    k.use_module(default)
     return times, (k.stages, k.ctas_per_sm)
 
 
@@ -106,7 +92,7 @@ def main() -> None:
     cap = torch.cuda.get_device_capability()
     if args.eager is not None:
         case = make_case(SHAPES[args.eager], 1, device)
-        k, cu_q, out = kernel_for(case, SplitKConfig())
+        k, cu_q, out = planned_splitk(case)
         for i in range(3):
             k.run(case.query, case.caches[i % len(case.caches)], case.batch.block_table,
                   case.batch.seq_lens, cu_q, out, case.spec.softmax_scale)

@@ -176,11 +176,7 @@ class SplitKMLADecode:
         self.stages = stages
         self.decode_shared = decode_shared_bytes(stages, self.groups, self.fp8_kv)
         self.combine_shared = self.num_ctas * rows * 4
-        self._module = _module(index)
-        self._decode = self._module.function(
-            decode_kernel_name(dtype, self.fp8_kv, self.groups, stages), self.decode_shared)
-        self._combine = self._module.function(
-            f"splitk_mla_combine_{DTYPE_NAMES[dtype]}_rg{self.groups}", self.combine_shared)
+        self.use_module(_module(index))
         #: [max_batch + 1] prefix sums of each request's 32-token tiles, written by ``plan``.
         self.tile_prefix = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         slots = self.head_blocks * 2 * self.num_ctas * rows
@@ -252,8 +248,8 @@ class SplitKMLADecode:
                             self.combine_shared, p, programmatic=True)
 
     def use_module(self, module: CubinModule) -> None:
-        """Launch from ``module`` (a build of the same source with other defines, e.g.
-        ``benchmarks/splitk_profile.py``'s variants) instead of the default build."""
+        """Launch from ``module``: the default build, or one of the same source with other
+        defines (``benchmarks/splitk_profile.py``'s variants)."""
         self._module = module
         self._decode = module.function(
             decode_kernel_name(self.dtype, self.fp8_kv, self.groups, self.stages),

@@ -289,6 +289,13 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
                  status=f"failed ({rc}): {tail}")]
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``, a scheduler) unwind through ``engine_rows``' ``finally``,
+    which kills the running engine's process group: left behind, a stopped bench's two
+    engines kept 130 GB of GPU memory and the next GPU job ran out of it (run 52)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def gpu_memory_used_mib() -> list[int] | None:
     """MiB in use on each GPU this process may use (``nvidia-smi``); ``None`` without it."""
     cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
@@ -386,6 +393,7 @@ def main() -> None:
         worker(args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    stop_on_sigterm()
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
         model = build_model(args.out, heads, args.layers, args.max_prompt + args.output_len)

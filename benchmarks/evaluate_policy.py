@@ -22,6 +22,7 @@ import json
 import math
 import sys
 from collections import defaultdict
+from collections.abc import Container
 
 import torch
 
@@ -29,20 +30,25 @@ from trtllm_mla_plugin.ops import DecodeSpec, Platform, policy
 
 H200 = Platform("cuda", (9, 0), "NVIDIA H200")
 #: Row of each bf16 route the policy picks between (FA3: FlashInfer's wrapper as the peer
-#: calls it; ``fa3-sorted`` where the route would sort the requests).
+#: calls it; ``fa3-sorted`` where the route would sort the requests; the CUDA split-KV
+#: kernel where the bench timed it, ``--extra-routes cuda-splitk``).
 ROUTE_ROWS = {"flashinfer-fa3": "peer:flashinfer-fa3", "flashmla": "flashmla",
-              "vllm-fa3-mla": "vllm-fa3-mla"}
+              "vllm-fa3-mla": "vllm-fa3-mla", "cuda-splitk": "route:cuda-splitk"}
 
 
-def policy_row(r: dict, lens: list[int], graph: bool = False) -> str:
+def policy_row(r: dict, lens: list[int], graph: bool = False,
+               timed: Container[str] = tuple(ROUTE_ROWS.values())) -> str:
     """Row name of the kernel the current policy runs for this bf16 shape: the first route
-    of ``policy.rank`` that this bench timed and that can serve the page size."""
+    of ``policy.rank`` that this bench timed (``timed``: the shape's row names) and that
+    can serve the page size; a file without ``route:cuda-splitk`` rows is scored as a
+    machine without nvcc runs (the ranking after it)."""
     heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
     shape = (policy.BatchShape(b, q) if graph
              else policy.BatchShape(b, q, max(lens), sum(lens)))
     name = next(n for n in policy.rank(spec, H200, shape)
-                if n in ROUTE_ROWS and (n != "flashmla" or r["block"] == "64"))
+                if n in ROUTE_ROWS and (n != "flashmla" or r["block"] == "64")
+                and (n != "cuda-splitk" or ROUTE_ROWS[n] in timed))
     if name == "flashinfer-fa3" and b > 1 and policy.fa_sort_by_length(spec, shape):
         return "fa3-sorted"
     return ROUTE_ROWS[name]
@@ -83,7 +89,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
         elif rule == "measured":
             name = next((n for n in ks if n.startswith("plugin-graph")), None)
         else:
-            name = policy_row(any_row, lens[shape], graph=rule == "graph")
+            name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)
         if name is None or name not in ks:
             continue
         out.append((min(peers.values()) / float(ks[name]["us"]), shape, name))

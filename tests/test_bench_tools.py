@@ -244,6 +244,51 @@ def test_engine_processes_left_behind_by_a_worker_are_killed(monkeypatch, tmp_pa
     assert not _alive(pid), "the worker's child outlived it"
 
 
+def test_a_bench_stopped_from_outside_kills_its_running_engines(tmp_path):
+    """SIGTERM to the bench (what ``timeout`` sends) while a worker runs: the worker's own
+    process group, engine processes included, is gone after the bench exits (run 52: left
+    alive, they held the GPU's memory and the next job ran out)."""
+    import signal
+    import subprocess
+    import textwrap
+
+    fake = tmp_path / "fake_worker.py"
+    fake.write_text(textwrap.dedent(f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(tmp_path / "child.pid")!r}, "w").write(str(child.pid))
+        time.sleep(120)
+    """))
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(bench_engine.__file__).parent)!r})
+        import bench_engine
+        bench_engine.__file__ = {str(fake)!r}
+        bench_engine.wait_for_free_gpu = lambda: True
+        args = type("A", (), dict(out=__import__("pathlib").Path({str(tmp_path)!r}),
+                                  batches="2", output_len=6, short_len=2, repeats=1,
+                                  min_prompt=4, max_prompt=8, seed=0, layers=2, timeout=100))()
+        bench_engine.stop_on_sigterm()
+        bench_engine.engine_rows(args, "model", 16, "auto", "TRTLLM_MLA", 0)
+    """))
+    bench = subprocess.Popen([sys.executable, str(driver)])
+    pid_file = tmp_path / "child.pid"
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    assert _alive(pid)
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+    for _ in range(50):
+        if not _alive(pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(pid), "the running worker's engine process outlived the bench"
+
+
 def _alive(pid: int) -> bool:
     """Running (a killed process may stay a zombie until its new parent reaps it)."""
     try:

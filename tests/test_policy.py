@@ -110,6 +110,9 @@ SPLITK_CASES = [
     (16, 64, shape(64, 4 * K), "flashinfer-fa3"),  # uniform 4k: FA3 (splitk 0.86x)
     (16, 64, shape(256, 4 * K), "flashinfer-fa3"),
     (16, 64, shape(94, 400, 332), "flashinfer-fa3"),  # 31k tokens: FA3's fixed cost wins
+    (16, 64, shape(128, 16 * K, 3 * K), "cuda-splitk"),  # longest 4% of the tokens
+    # one 64k request among 95 of 2k (26% of the tokens): the ranking below (run 52: 0.75x)
+    (16, 64, BatchShape(96, 1, 64 * K, 64 * K + 95 * 2 * K), "flashmla"),
     (16, 64, shape(47, 16 * K, 8 * K), "flashmla"),  # below 48 requests: the rules before
     (16, 64, shape(32, 4 * K, 2 * K), "flashinfer-fa3"),
     (16, 32, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),  # 32-token pages: not measured
@@ -491,6 +494,21 @@ def _splitk_timed_shapes(files: list[str]):
             r = next(iter(ks.values()))
             if r["kv"] == "bf16" and "route:cuda-splitk" in ks:
                 yield r, {k: float(v["us"]) for k, v in ks.items()}
+
+
+def test_splitk_eager_rule_leaves_one_long_request_to_the_ranking_below(splitk_present):
+    """Run 52's shapes 44-46: one request of 32-64k among 95-127 of ~2k, where the split-KV
+    kernel ran 0.75-1.00x the best peer. With lengths known the rule declines all three;
+    under CUDA graphs (batch size only) it cannot see them and keeps the kernel."""
+    declined = 0
+    for r, _ in _splitk_timed_shapes(["run52-decode.csv"]):
+        s = spec(int(r["heads"]), block=int(r["block"]), q_len=int(r["q_len"]))
+        b, q = int(r["batch"]), int(r["q_len"])
+        lens = BatchShape(b, q, int(r["max_len"]), int(r["kv_tokens"]))
+        assert policy.rank(s, H200, lens)[0] != "cuda-splitk", r["shape"]
+        assert policy.rank(s, H200, BatchShape(b, q))[0] == "cuda-splitk", r["shape"]
+        declined += 1
+    assert declined == 3
 
 
 @pytest.mark.parametrize("files", [

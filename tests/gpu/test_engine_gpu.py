@@ -32,7 +32,7 @@ Run (H200 with the vLLM kit, from the repository root)::
     export TRTLLM_MLA_TEST_OUT=$OUT TRTLLM_MLA_ENGINE_CACHE=/tmp/trtllm-mla-engines
     python3 -m pytest -q -rs tests/gpu/test_engine_gpu.py -m "not slow"
 
-That starts 10 engines and one server (two with torch.compile). ``-m slow`` selects the
+That starts 12 engines and one server (two with torch.compile). ``-m slow`` selects the
 optional cases (MTP with 1 and 2 draft tokens, n-gram, FLASHMLA with MTP: 4 more engines);
 ``-k tensor_parallel`` needs two GPUs (2 engines). ``TRTLLM_MLA_TEST_OUT`` keeps every
 engine's log, config and result, and ``summary.json`` (engine times, agreement per
@@ -111,6 +111,8 @@ BASE_LLM: dict[str, Any] = {
 #: CompilationConfig.mode NONE and cudagraph_mode FULL_DECODE_ONLY), few capture sizes.
 FAST_GRAPHS: dict[str, Any] = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY",
                                "max_cudagraph_capture_size": 64}
+#: ``FAST_GRAPHS`` with decode graphs up to the wide workload's 128 requests.
+WIDE_GRAPHS: dict[str, Any] = {**FAST_GRAPHS, "max_cudagraph_capture_size": 128}
 MTP = {"method": "mtp"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
@@ -138,6 +140,12 @@ SPEC_TOKENS = 48
 CLIENT_LENS = [(97 * i) % 1500 + 1 for i in range(32)]
 CLIENT_TOKENS = [8 + 4 * (i % 5) for i in range(32)]
 CLIENT_PROMPTS = [prompt_ids(n, 4000 + i) for i, n in enumerate(CLIENT_LENS)]
+#: 128 requests decoding together: under CUDA graphs the SM90 policy gives batches of
+#: 96-1024 requests with 16 query rows each to the plugin's own split-KV kernel (rule 2b).
+#: Lengths 60-2959 across 64-token pages; every request decodes the same number of steps,
+#: so the batch stays at 128 to the end.
+WIDE_LENS = [(211 * i) % 2900 + 60 for i in range(128)]
+WIDE_TOKENS = 16
 
 
 def workload(name: str) -> dict[str, Any]:
@@ -160,6 +168,10 @@ def workload(name: str) -> dict[str, Any]:
         return {"name": name, "calls": [{
             "prompts": [prompt_ids(n, 3000 + i) for i, n in enumerate(SPEC_LENS)],
             "max_tokens": [SPEC_TOKENS] * len(SPEC_LENS)}]}
+    if name == "wide":
+        return {"name": name, "calls": [{
+            "prompts": [prompt_ids(n, 5000 + i) for i, n in enumerate(WIDE_LENS)],
+            "max_tokens": [WIDE_TOKENS] * len(WIDE_LENS)}]}
     raise KeyError(name)
 
 
@@ -205,6 +217,14 @@ ENGINES: dict[str, EngineSpec] = {
                                       "attention_backend": "TRITON_MLA",
                                       "compilation_config": FAST_GRAPHS}),
     # FLASHMLA pages 64 tokens only: block 32 is compared with TRITON_MLA.
+    # 128 requests at once: the plugin's split-KV kernel under CUDA graphs.
+    "trtllm-wide": EngineSpec("main", _trtllm(block_size=64, max_num_seqs=128,
+                                              compilation_config=WIDE_GRAPHS),
+                              workloads=("wide",)),
+    "flashmla-wide": EngineSpec("main", {"block_size": 64, "max_num_seqs": 128,
+                                         "attention_backend": "FLASHMLA",
+                                         "compilation_config": WIDE_GRAPHS},
+                                workloads=("wide",)),
     "trtllm-b32": EngineSpec("main", _trtllm(block_size=32, compilation_config=FAST_GRAPHS)),
     "triton-b32": EngineSpec("main", {"block_size": 32, "attention_backend": "TRITON_MLA",
                                       "compilation_config": FAST_GRAPHS}),
@@ -462,6 +482,21 @@ def test_fp8_kv_cache_is_really_fp8(engine):
                          - b["logprobs"][1][token]))
     assert len(moved) >= 8
     assert 0 < max(moved) < 0.5, moved
+
+
+def test_wide_batch_on_split_kv_kernel_matches_flashmla(engine):
+    """128 requests decoding together under CUDA graphs: the plugin's decoder holds its own
+    split-KV kernel (``cuda-splitk``, built with the machine's nvcc at engine start) and
+    the generations match FLASHMLA's."""
+    from trtllm_mla_plugin.ops.kernels.nvcc_build import find_nvcc
+
+    if find_nvcc() is None:
+        pytest.skip("no nvcc on this machine: the split-KV kernel is not built")
+    ours, ref = engine("trtllm-wide"), engine("flashmla-wide")
+    assert_plugin_served(ours)
+    assert "cuda-splitk" in ours.route().split("+"), ours.route()
+    assert_vllm_served(ref, "FLASHMLA")
+    assert_same_generations(engine, ours, ref, "wide")
 
 
 def test_block_size_32_matches_triton_mla(engine):

@@ -127,6 +127,12 @@ SPLITK_MIN_KV_TOKENS = 128 * 1024
 #: ... and uniform lengths only from this mean length on (FA3 keeps uniform mid-size
 #: batches: h16 b64 4k 0.86x, b256 4k 0.96x, b128 8k 0.98x; 9.8k-32k uniform: 1.04-1.05x).
 SPLITK_UNIFORM_MIN_MEAN_LEN = 8 * 1024 + 1
+#: ... and only while no request holds more than this share of the batch's KV tokens: the
+#: kernel cuts a long request over many CTAs and four combine CTAs then merge all its
+#: partials (run 52, one request of 32-64k among 95-127 of 2k: the longest holding 12% of
+#: the tokens tied the best peer, 21% ran 0.95x, 26% 0.75x against FA3; every shape the
+#: rule won in runs 46-48 had its longest request at <= 3.5%).
+SPLITK_MAX_REQUEST_SHARE = 0.1
 #: max / mean of the lengths from which a batch counts as ragged.
 RAGGED_SPREAD = 1.25
 #: FA3 plans requests longest first from this batch size on (ragged batches, or any batch
@@ -227,8 +233,8 @@ def splitk_candidate(spec: DecodeSpec) -> bool:
 def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 rule for the plugin's CUDA split-KV kernel (``splitk_candidate`` specs):
     under CUDA graphs batches of ``SPLITK_GRAPH_MIN_BATCH`` or more; with lengths known,
-    ``SPLITK_MIN_BATCH`` or more with enough KV tokens and ragged (or long uniform) lengths
-    (see the constants)."""
+    ``SPLITK_MIN_BATCH`` or more with enough KV tokens, no request holding too large a share
+    of them, and ragged (or long uniform) lengths (see the constants)."""
     if shape is None or not splitk_candidate(spec) or shape.batch_size > SPLITK_MAX_BATCH:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: batch size alone
@@ -236,7 +242,8 @@ def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if shape.batch_size < SPLITK_MIN_BATCH:
         return False
     kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
-    if kv_tokens < SPLITK_MIN_KV_TOKENS:
+    if kv_tokens < SPLITK_MIN_KV_TOKENS or (
+            shape.max_seq_len > SPLITK_MAX_REQUEST_SHARE * kv_tokens):
         return False
     return _ragged(shape) or kv_tokens / shape.batch_size >= SPLITK_UNIFORM_MIN_MEAN_LEN
 

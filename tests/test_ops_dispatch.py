@@ -85,6 +85,8 @@ def test_hopper_fp8_few_heads_takes_triton(monkeypatch):
                             lambda name: name in ("flashinfer", "triton"))
     # no CUDA toolkit: the bf16 batch below would otherwise go to the plugin's split-KV kernel
     monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc", lambda: None)
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.cached_cubin",
+                        lambda *a, **k: None)
     big = BatchShape(64, 1, 4096, 64 * 2048)
     assert choose_route(spec(kv=FP8), H200, shape=big).name == "triton-balanced"
     assert choose_route(spec(kv=FP8), H200).name == "flashinfer-fa3"  # default: no batch yet

@@ -43,6 +43,8 @@ def kernels_present(monkeypatch):
         monkeypatch.setattr(f"trtllm_mla_plugin.ops.routes.{mod}.module_available",
                             lambda name: True)
     monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc", lambda: None)
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.cached_cubin",
+                        lambda *a, **k: None)
 
 
 @pytest.fixture

@@ -271,3 +271,15 @@ def test_cpu_settings_name_a_requested_block_size_they_override(monkeypatch):
     assert config.cache_config.block_size == 16
     assert warnings == ["TRTLLM_MLA on CPU uses block size 16 (as vLLM's CPU_MLA backend); "
                         "overriding the requested block size 64."]
+
+
+def test_doctor_reports_the_cpu_engine_and_its_routes():
+    """``python -m trtllm_mla_plugin`` in this environment: vLLM seen with its entry point,
+    the CPU decode route, exit 0; no split-KV kernel line off SM90."""
+    proc = subprocess.run([sys.executable, "-m", "trtllm_mla_plugin"], capture_output=True,
+                          text=True, timeout=300, env=_env_without_selection())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "entry point: vllm.general_plugins:trtllm_mla seen by vLLM" in out
+    assert "torch-reference" in out and "status: OK" in out
+    assert "split-KV kernel" not in out

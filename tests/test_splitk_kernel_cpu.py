@@ -1,8 +1,9 @@
 """The CUDA split-KV decode kernel without a GPU: it compiles for SM90 with no register
 spills, its schedule (the kernel's own helpers, host-compiled) covers every tile once and
 combines exactly the partials the decode CTAs wrote, the launch struct matches the C++
-layout, and the route states what it cannot serve. The kernel's numbers are checked on the
-GPU (tests/gpu/test_decode_routes_gpu.py, tests/gpu/test_splitk_gpu.py)."""
+layout, the route states what it cannot serve, and a build made where nvcc is (the
+doctor's ``--build-kernels``) serves a machine without it. The kernel's numbers are checked
+on the GPU (tests/gpu/test_decode_routes_gpu.py, tests/gpu/test_splitk_gpu.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trtllm_mla_plugin import doctor
 from trtllm_mla_plugin.ops import policy
 from trtllm_mla_plugin.ops.kernels import nvcc_build
 from trtllm_mla_plugin.ops.kernels import splitk_mla_decode as sk
@@ -206,16 +208,54 @@ def test_route_says_what_it_cannot_serve(monkeypatch, kw, platform, words):
     assert words in ROUTES["cuda-splitk"].unsupported_reason(_spec(**kw), platform)
 
 
-def test_route_without_nvcc_names_the_fix(monkeypatch):
+def test_route_without_nvcc_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRTLLM_MLA_CACHE_DIR", str(tmp_path))  # no build there
     monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc", lambda: None)
-    reason = ROUTES["cuda-splitk"].unsupported_reason(_spec(), H200)
-    assert "nvcc" in reason and "CUDA_HOME" in reason
-
-
-def test_build_without_nvcc_names_the_fix(monkeypatch):
     monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: None)
-    with pytest.raises(RuntimeError, match=r"nvcc.*CUDA_HOME"):
+    reason = ROUTES["cuda-splitk"].unsupported_reason(_spec(), H200)
+    assert "nvcc" in reason and "CUDA_HOME" in reason and "--build-kernels" in reason
+
+
+def test_build_without_nvcc_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRTLLM_MLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: None)
+    with pytest.raises(RuntimeError, match=r"nvcc.*CUDA_HOME.*--build-kernels"):
         nvcc_build.build_cubin(sk.SOURCE, (9, 0))
+    assert doctor.main(["--build-kernels"]) == 1
+
+
+@needs_nvcc
+def test_a_kernel_built_where_nvcc_is_serves_a_machine_without_it(monkeypatch, tmp_path,
+                                                                  capsys):
+    """``--build-kernels`` (no GPU) leaves the SM90 cubin in the cache; without nvcc the
+    route is then eligible and the build step finds that cubin instead of compiling."""
+    monkeypatch.setenv("TRTLLM_MLA_CACHE_DIR", str(tmp_path))
+    assert doctor.main(["--build-kernels"]) == 0
+    built = Path(capsys.readouterr().out.split("split-KV kernel for SM90: ")[1].split()[0])
+    assert built.parent == tmp_path / "cubin" and built.read_bytes()[:4] == b"\x7fELF"
+    assert "built" in doctor.splitk_kernel_status(H200)
+
+    monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: None)
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.cuda_splitk.find_nvcc", lambda: None)
+    assert ROUTES["cuda-splitk"].unsupported_reason(_spec(), H200) is None
+    calls = []
+    monkeypatch.setattr(nvcc_build.subprocess, "run", lambda *a, **k: calls.append(a))
+    assert nvcc_build.build_cubin(sk.SOURCE, (9, 0)) == built and not calls
+    # Another source text (or other flags) is another kernel: the build does not serve it.
+    assert nvcc_build.cached_cubin(sk.SOURCE, (9, 0), ("SPLITK_DIAG_EMPTY",)) is None
+    assert nvcc_build.cached_cubin(sk.SOURCE, (8, 0)) is None
+
+
+def test_doctor_says_how_the_split_kv_kernel_gets_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRTLLM_MLA_CACHE_DIR", str(tmp_path))  # nothing built
+    monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(nvcc_build, "_nvcc_version", lambda nvcc: "Cuda compilation tools")
+    assert "compiles with /opt/cuda/bin/nvcc" in doctor.splitk_kernel_status(H200)
+    monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: None)
+    line = doctor.splitk_kernel_status(H200)
+    assert "not available" in line and "FlashMLA" in line and "--build-kernels" in line
+    assert doctor.splitk_kernel_status(Platform("cuda", (10, 0), "NVIDIA B200")) is None
+    assert doctor.splitk_kernel_status(Platform("cpu", None, "cpu")) is None
 
 
 @needs_nvcc

@@ -3,10 +3,16 @@
 Prints versions, the GPU, whether vLLM sees the plugin's entry point, and which routes
 would serve decode and prefill for a DeepSeek-V3-shaped model, with the reasons. Exits
 non-zero when the plugin could not work on this machine.
+
+``python -m trtllm_mla_plugin --build-kernels`` compiles the plugin's CUDA split-KV kernel
+for SM90 into the plugin's cache now (no GPU needed, nvcc needed), so that engines start
+without the 15-20 s build, and machines without the CUDA toolkit (a runtime image that
+copies the cache, ``TRTLLM_MLA_CACHE_DIR``) can run it.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import sys
 
@@ -39,6 +45,43 @@ def _prefill_route(platform) -> str:
         "vLLM's automatic MLA prefill choice (FlashAttention); vLLM's FlashInfer prefill "
         "backend serves SM100 only"
     )
+
+
+#: The GPU generation the split-KV kernel is built and measured for.
+SPLITK_CAPABILITY = (9, 0)
+
+
+def splitk_kernel_status(platform) -> str | None:
+    """The report's line on the plugin's CUDA split-KV kernel (SM90 GPUs only)."""
+    if platform.kind != "cuda" or platform.capability != SPLITK_CAPABILITY:
+        return None
+    from .ops.kernels.nvcc_build import cached_cubin, find_nvcc
+    from .ops.kernels.splitk_mla_decode import SOURCE
+
+    built = cached_cubin(SOURCE, SPLITK_CAPABILITY)
+    if built is not None:
+        return f"split-KV kernel (cuda-splitk): built, {built}"
+    nvcc = find_nvcc()
+    if nvcc is not None:
+        return (f"split-KV kernel (cuda-splitk): compiles with {nvcc} at the first engine "
+                "start (15-20 s; now: python -m trtllm_mla_plugin --build-kernels)")
+    return ("split-KV kernel (cuda-splitk): not available (no nvcc, no build in the cache); "
+            "its batches run FlashMLA. To have it: install the CUDA toolkit, or run "
+            "python -m trtllm_mla_plugin --build-kernels where nvcc is and bring the cache "
+            "along (TRTLLM_MLA_CACHE_DIR)")
+
+
+def build_kernels() -> tuple[list[str], bool]:
+    """Compile the split-KV kernel for SM90 into the cache; lines to print and success."""
+    from .ops.kernels.nvcc_build import build_cubin, cache_dir
+    from .ops.kernels.splitk_mla_decode import SOURCE
+
+    try:
+        path = build_cubin(SOURCE, SPLITK_CAPABILITY)
+    except RuntimeError as error:
+        return [str(error)], False
+    return [f"split-KV kernel for SM90: {path}",
+            f"cache: {cache_dir()} (TRTLLM_MLA_CACHE_DIR selects another)"], True
 
 
 def report() -> tuple[list[str], bool]:
@@ -99,13 +142,24 @@ def report() -> tuple[list[str], bool]:
     except ValueError as error:
         lines.append(f"  no route: {error}")
         ok = False
+    splitk = splitk_kernel_status(platform)
+    if splitk is not None:
+        lines.append(splitk)
     lines.append(f"prefill: {_prefill_route(platform)}")
     lines.append("status: OK" if ok else "status: the plugin cannot work here (see above)")
     return lines, ok
 
 
-def main() -> int:
-    lines, ok = report()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m trtllm_mla_plugin",
+        description="Whether the TRTLLM_MLA backend can work here, and which kernels would "
+                    "serve it.")
+    ap.add_argument("--build-kernels", action="store_true",
+                    help="compile the CUDA split-KV kernel for SM90 into the plugin's cache "
+                         "(needs nvcc, no GPU)")
+    args = ap.parse_args(argv)
+    lines, ok = build_kernels() if args.build_kernels else report()
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -4,9 +4,12 @@ Why a cubin and not a torch extension: the plugin's CUDA kernels include no head
 are launched through the driver API (``cuda_driver``), so a build is one ``nvcc -cubin``
 call of a few seconds, with no C++ toolchain, ninja or torch headers involved.
 
-The cache key is the source text, the flags and ``nvcc --version``; a finished build is
-moved into place atomically, so processes that start together (tensor parallel ranks)
-may compile the same cubin at once without reading a partial file.
+A cubin's name carries a digest of the source text and the flags, then one of
+``nvcc --version``; a finished build is moved into place atomically, so processes that
+start together (tensor parallel ranks) may compile the same cubin at once without reading a
+partial file. A cubin of the same source and flags built by any nvcc serves too: one
+prebuilt where nvcc is (``python -m trtllm_mla_plugin --build-kernels``, e.g. in an image's
+build stage) serves a machine without the CUDA toolkit.
 """
 
 from __future__ import annotations
@@ -66,6 +69,35 @@ def _nvcc_version(nvcc: str) -> str:
                           check=True).stdout
 
 
+def _digest(data: bytes, length: int) -> str:
+    return hashlib.sha256(data).hexdigest()[:length]
+
+
+def _cubin_prefix(source: Path, capability: tuple[int, int], defines: tuple[str, ...]) -> str:
+    """File-name prefix of every build of ``source`` with these flags, whichever nvcc."""
+    flags = repr((target_flags(capability), BASE_FLAGS, defines)).encode()
+    return (f"{source.stem}-sm{capability[0]}{capability[1]}-"
+            f"{_digest(source.read_bytes() + flags, 16)}")
+
+
+def cached_cubin(source: Path, capability: tuple[int, int],
+                 defines: tuple[str, ...] = ()) -> Path | None:
+    """A finished build of ``source`` for ``capability`` in ``cache_dir()``: this machine's
+    nvcc's where there is one, else the newest by any nvcc (a prebuilt kernel); ``None``
+    when there is none. Cheap (no subprocess without nvcc; one directory listing)."""
+    out_dir = cache_dir() / "cubin"
+    prefix = _cubin_prefix(source, capability, defines)
+    nvcc = find_nvcc()
+    if nvcc is not None:
+        own = out_dir / f"{prefix}-{_digest(_nvcc_version(nvcc).encode(), 8)}.cubin"
+        if own.exists():
+            return own
+    if not out_dir.is_dir():
+        return None
+    built = sorted(out_dir.glob(f"{prefix}-*.cubin"), key=lambda p: p.stat().st_mtime)
+    return built[-1] if built else None
+
+
 def compile_command(nvcc: str, source: Path, output: Path, capability: tuple[int, int],
                     defines: tuple[str, ...] = ()) -> list[str]:
     return [nvcc, *target_flags(capability), *BASE_FLAGS, *(f"-D{d}" for d in defines),
@@ -75,23 +107,24 @@ def compile_command(nvcc: str, source: Path, output: Path, capability: tuple[int
 def build_cubin(source: Path, capability: tuple[int, int],
                 defines: tuple[str, ...] = ()) -> Path:
     """The cubin of ``source`` for ``capability`` (preprocessor ``defines``, e.g. a
-    benchmark's diagnostic variant), compiled on first use.
+    benchmark's diagnostic variant): ``cached_cubin``'s, else compiled now.
 
-    Raises ``RuntimeError`` naming the fix when ``nvcc`` is missing or the build fails.
+    Raises ``RuntimeError`` naming the fix when there is neither a cached build nor
+    ``nvcc``, or the build fails.
     """
+    found = cached_cubin(source, capability, defines)
+    if found is not None:
+        return found
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError(
             f"{source.name} is compiled at first use and needs the CUDA toolkit's nvcc: "
             "install it (e.g. the CUDA toolkit matching your driver) and put it on PATH or "
-            "set CUDA_HOME")
-    text = source.read_bytes()
-    key = hashlib.sha256(text + repr((target_flags(capability), BASE_FLAGS, defines)).encode()
-                         + _nvcc_version(nvcc).encode()).hexdigest()[:20]
+            "set CUDA_HOME; or build it where nvcc is (python -m trtllm_mla_plugin "
+            f"--build-kernels) and bring {cache_dir()} along (TRTLLM_MLA_CACHE_DIR)")
     out_dir = cache_dir() / "cubin"
-    target = out_dir / f"{source.stem}-sm{capability[0]}{capability[1]}-{key}.cubin"
-    if target.exists():
-        return target
+    target = out_dir / (f"{_cubin_prefix(source, capability, defines)}-"
+                        f"{_digest(_nvcc_version(nvcc).encode(), 8)}.cubin")
     out_dir.mkdir(parents=True, exist_ok=True)
     logger.info("compiling %s for SM%d%d with %s (first use, a few seconds)", source.name,
                 capability[0], capability[1], nvcc)

@@ -4,10 +4,11 @@ page-balanced schedule is computed inside the kernel from one prefix sum per ste
 request inside one CTA's range is written without a combine pass.
 
 Eligibility: SM90 (where it was written and is measured), ``nvcc`` to compile it at first
-use, DeepSeek-style latent 512 + RoPE 64, a bf16/fp16 query over a cache of the same dtype
-or of FP8 e4m3 (read with the 16-bit query: bf16-query accuracy, unlike FlashMLA's FP8
-kernel), pages of a multiple of 32 tokens, up to 1024 requests per step and 16 query
-tokens per request. Which batches it serves is ``ops.policy``'s call
+use or a build of it in the plugin's cache (``--build-kernels``), DeepSeek-style latent
+512 + RoPE 64, a bf16/fp16 query over a cache of the same dtype or of FP8 e4m3 (read with
+the 16-bit query: bf16-query accuracy, unlike FlashMLA's FP8 kernel), pages of a multiple
+of 32 tokens, up to 1024 requests per step and 16 query tokens per request. Which batches
+it serves is ``ops.policy``'s call
 (``hopper_prefers_splitk``: 9-16 query rows per request, large batches; measured on the
 H200 in docs/benchmarks.md); ``TRTLLM_MLA_DECODE_ROUTE=cuda-splitk`` forces it.
 """
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.nvcc_build import find_nvcc
+from ..kernels.nvcc_build import cached_cubin, find_nvcc
 from ..kernels.splitk_mla_decode import (
     DTYPE_NAMES,
     FP8,
     MAX_BATCH,
+    SOURCE,
     TILE_TOKENS,
     SplitKMLADecode,
 )
@@ -51,9 +53,11 @@ class CudaSplitKRoute(DecodeRoute):
                     f"of {TILE_TOKENS}")
         if spec.max_q_len > MAX_Q_LEN:
             return f"max_q_len={spec.max_q_len}: the CUDA split-KV kernel takes up to {MAX_Q_LEN}"
-        if find_nvcc() is None:
+        if find_nvcc() is None and cached_cubin(SOURCE, platform.capability) is None:
             return ("the CUDA split-KV kernel compiles at first use and needs nvcc (install the "
-                    "CUDA toolkit, put nvcc on PATH or set CUDA_HOME)")
+                    "CUDA toolkit, put nvcc on PATH or set CUDA_HOME), or a build of it made "
+                    "where nvcc is: python -m trtllm_mla_plugin --build-kernels, with the "
+                    "cache directory brought along (TRTLLM_MLA_CACHE_DIR)")
         return None
 
     def __init__(

@@ -47,6 +47,7 @@ from decode_kernels import (
     flashmla_peer,
     plugin_kernels,
     splitk_kernel,
+    splitk_label,
     triton_peer,
     vllm_fa3_mla_peer,
 )
@@ -249,9 +250,10 @@ def reference(case: Case) -> torch.Tensor:
 #: ``--extra-routes``: plugin routes no policy ranks yet (e.g. ``cuda-splitk``), timed forced
 #: on every shape as ``route:NAME`` rows beside the peers.
 EXTRA_ROUTES: tuple[str, ...] = ()
-#: ``--splitk-configs``: launch configurations (stages, CTAs per SM, min tiles per CTA) of
-#: the CUDA split-KV kernel, each timed as ``splitk[...]`` rows.
-SPLITK_CONFIGS: tuple[tuple[int, int, int], ...] = ()
+#: ``--splitk-configs``: launch configurations (stages, CTAs per SM, min tiles per CTA and
+#: optionally the fused merge's ``fuse_max_splits``) of the CUDA split-KV kernel, each timed
+#: as ``splitk[...]`` rows.
+SPLITK_CONFIGS: tuple[tuple[int, ...], ...] = ()
 
 
 def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
@@ -533,8 +535,9 @@ def main() -> None:
                     help="comma-separated plugin routes to time forced on every shape "
                          "(route:NAME rows; a summary of each against the best peer)")
     ap.add_argument("--splitk-configs", default="",
-                    help="semicolon-separated STAGES,CTAS_PER_SM,MIN_TILES launch "
-                         "configurations of the CUDA split-KV kernel to time on every shape")
+                    help="semicolon-separated STAGES,CTAS_PER_SM,MIN_TILES[,FUSE_MAX_SPLITS] "
+                         "launch configurations of the CUDA split-KV kernel to time on every "
+                         "shape")
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
                          "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "
@@ -627,7 +630,7 @@ def main() -> None:
         print(f"{pass_no:4} {name:32} {plugin or float('nan'):9.1f} {pct:6.1f} "
               f"{peer!s:>24} {peer_us or float('nan'):8.1f} {ratio:6.2f}")
     for name in [f"route:{r}" for r in EXTRA_ROUTES] + [
-            "splitk[s{}c{}m{}]".format(*c) for c in SPLITK_CONFIGS]:
+            splitk_label(*c) for c in SPLITK_CONFIGS]:
         print_route_summary(name, summary)
     print(f"total {time.time() - t_start:.0f} s; pid {os.getpid()}")
 

@@ -284,12 +284,21 @@ def planned_splitk(case: Case, config=None) -> tuple:
     return kernel, cu_q, out
 
 
-def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int) -> Kernel:
+def splitk_label(stages: int, ctas_per_sm: int, min_tiles: int, fuse_max_splits: int = 0
+                 ) -> str:
+    """Row name of a split-KV launch configuration: ``splitk[s{stages}c{ctas}m{min_tiles}]``,
+    ``f{fuse_max_splits}`` added for the fused-merge build."""
+    fused = f"f{fuse_max_splits}" if fuse_max_splits else ""
+    return f"splitk[s{stages}c{ctas_per_sm}m{min_tiles}{fused}]"
+
+
+def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int,
+                  fuse_max_splits: int = 0) -> Kernel:
     """The CUDA split-KV kernel (route ``cuda-splitk``) under one launch configuration,
-    called directly (planned once): ``splitk[s{stages}c{ctas_per_sm}m{min_tiles}]``
-    (0: the kernel's default, ``splitk_mla_decode.default_launch``). FP8 caches are read with
-    the bf16 query (unit scales, as the benchmark's cases)."""
-    name = f"splitk[s{stages}c{ctas_per_sm}m{min_tiles}]"
+    called directly (planned once), named by ``splitk_label`` (0: the kernel's default,
+    ``splitk_mla_decode.default_launch``; ``fuse_max_splits``: ``SplitKConfig``'s). FP8
+    caches are read with the bf16 query (unit scales, as the benchmark's cases)."""
+    name = splitk_label(stages, ctas_per_sm, min_tiles, fuse_max_splits)
     spec = case.spec
     reason = ROUTES["cuda-splitk"].unsupported_reason(spec, platform_of(case.query.device))
     if reason is not None:
@@ -297,7 +306,7 @@ def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int) -> 
     from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig
 
     config = SplitKConfig(stages=stages or None, ctas_per_sm=ctas_per_sm or None,
-                          min_tiles=min_tiles)
+                          min_tiles=min_tiles, fuse_max_splits=fuse_max_splits)
     kernel, cu_q, out = planned_splitk(case, config)
 
     def call(cache: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ Variants (builds of the same source with a diagnostic define, or launches left o
 
 Usage (GPU machine)::
 
-    python benchmarks/splitk_profile.py [--configs "4,1,4;2,2,4"] [--shapes 0,1,2]
+    python benchmarks/splitk_profile.py [--configs "4,1,4;2,2,4;0,0,4,8"] [--shapes 0,1,2]
     python benchmarks/splitk_profile.py --eager SHAPE_INDEX   # 3 plain calls, for ncu
 
 Times: median of CUDA-graph replays of ``REPS_PER_GRAPH`` calls over rotating cache copies
@@ -83,7 +83,8 @@ def time_variants(case, config: SplitKConfig,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="0,0,4;4,1,4",
-                    help="stages,ctas_per_sm,min_tiles; ... (0: the kernel's default)")
+                    help="stages,ctas_per_sm,min_tiles[,fuse_max_splits]; ... (0: the "
+                         "kernel's default; fuse_max_splits: the fused-merge build)")
     ap.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
     ap.add_argument("--eager", type=int, default=None,
                     help="run shape INDEX three times without graphs (under ncu) and exit")
@@ -108,15 +109,16 @@ def main() -> None:
         case = make_case(SHAPES[i], 1, device)
         nbytes, _ = bytes_flops(case)
         at_copy = nbytes / (copy_gbps * 1e3)
-        for stages, ctas, min_tiles in configs:
+        for stages, ctas, min_tiles, *fused in configs:
             config = SplitKConfig(stages=stages or None, ctas_per_sm=ctas or None,
-                                  min_tiles=min_tiles)
+                                  min_tiles=min_tiles, fuse_max_splits=fused[0] if fused else 0)
             try:
                 times, (depth, ctas) = time_variants(case, config, modules)
             except ValueError as e:  # e.g. a depth not compiled for this cache dtype
                 print(f"{case.name:34s} {config}: {e}")
                 continue
-            print(f"{case.name:34s} s{depth}c{ctas}m{min_tiles:<3d} {at_copy:8.1f} "
+            tag = f"s{depth}c{ctas}m{min_tiles}" + (f"f{fused[0]}" if fused else "")
+            print(f"{case.name:34s} {tag:8s} {at_copy:8.1f} "
                   + " ".join(f"{times[c]:8.1f}" for c in COLUMNS), flush=True)
         del case
         torch.cuda.empty_cache()

@@ -34,12 +34,23 @@ CPU = torch.device("cpu")
 FP8_BF16_QUERY_REL = 5e-3
 
 
+def build_emulator(tmp_path_factory, defines: tuple[str, ...] = ()) -> Path:
+    exe = tmp_path_factory.mktemp("emu") / "splitk_emu"
+    subprocess.run([GXX, "-std=c++20", "-O2", *(f"-D{d}" for d in defines), "-o", str(exe),
+                    str(EMULATOR)], check=True, capture_output=True)
+    return exe
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory) -> Path:
-    exe = tmp_path_factory.mktemp("emu") / "splitk_emu"
-    subprocess.run([GXX, "-std=c++20", "-O2", "-o", str(exe), str(EMULATOR)], check=True,
-                   capture_output=True)
-    return exe
+    return build_emulator(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def fused_emulator(tmp_path_factory) -> Path:
+    """The kernel built as ``SplitKConfig(fuse_max_splits=4)`` builds it: requests cut into
+    at most 4 pieces merged by the decode CTA that finishes last."""
+    return build_emulator(tmp_path_factory, ("SPLITK_FUSE_MAX_SPLITS=4",))
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -47,10 +58,11 @@ def _bits(t: torch.Tensor) -> bytes:
 
 
 def emulate(exe: Path, tmp: Path, p, *, num_ctas: int, min_tiles: int, stages: int,
-            combine_ctas: int | None = None) -> torch.Tensor:
+            combine_ctas: int | None = None, reversed_ctas: bool = False) -> torch.Tensor:
     """Run decode + combine of ``p`` in the emulator; returns ``[tokens, heads, 512]``.
     ``combine_ctas``: the combine's grid (``None``: one CTA per work item, as the host
-    launches it; fewer exercise its stride loop)."""
+    launches it; fewer exercise its stride loop). ``reversed_ctas``: CTAs run from the last
+    index down (another CTA finishes each request last)."""
     spec, batch = p.spec, p.batch
     b, heads = batch.batch_size, spec.num_heads
     if combine_ctas is None:
@@ -67,9 +79,9 @@ def emulate(exe: Path, tmp: Path, p, *, num_ctas: int, min_tiles: int, stages: i
     header = [b, heads, spec.block_size, num_ctas, min_tiles, p.kv_cache.shape[0],
               batch.block_table.shape[1], p.query.shape[0],
               sk.head_blocks(heads, spec.max_q_len), int(spec.q_dtype == FP16), int(fp8),
-              groups, stages, combine_ctas]
+              groups, stages, combine_ctas, int(reversed_ctas)]
     floats = sk.launch_scales(fp8, spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
-    blob = struct.pack("14i", *header) + struct.pack("3f", *floats)
+    blob = struct.pack("15i", *header) + struct.pack("3f", *floats)
     blob += _bits(p.query) + _bits(p.kv_cache) + _bits(batch.block_table.to(torch.int32))
     blob += _bits(batch.seq_lens.to(torch.int32)) + _bits(cu.to(torch.int32)) + _bits(prefix)
     inp, out = tmp / "in.bin", tmp / "out.bin"
@@ -163,3 +175,44 @@ def test_seeded_random_problems(emulator, tmp_path, seed):
     if fp8:
         rel_bound = FP8_BF16_QUERY_REL
     assert rel < rel_bound and worst < max_bound, (heads, q_len, lens, rel, worst)
+
+
+#: Cases whose requests are cut into 2-4 pieces (merged in the decode grid by the fused
+#: build) and more (left to the combine kernel), one or two row groups, FP8.
+FUSED_CASES = ["ragged-cut-over-7-ctas", "one-request-over-every-cta", "h8-q2-causal",
+               "h32-two-row-groups", "h16-q4-two-head-blocks", "fp8-scaled-8-stages"]
+
+
+@pytest.mark.parametrize("reversed_ctas", [False, True], ids=["in-order", "reversed"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in FUSED_CASES],
+                         ids=lambda c: c[0])
+def test_fused_merge_matches_float64(fused_emulator, tmp_path, case, reversed_ctas):
+    """Built with SPLITK_FUSE_MAX_SPLITS=4: whichever CTA finishes a cut request last merges
+    it, the combine kernel takes the requests cut more ways, every counter is back at zero
+    after the launch (the emulator exits non-zero otherwise)."""
+    _, heads, block, lens, q_lens, dtype, kv_dtype, scales, num_ctas, min_tiles, stages = case
+    torch.manual_seed(len(lens) * 31 + heads)
+    p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_lens, dtype=dtype,
+                     kv_dtype=kv_dtype, scales=scales or KVScales(), device=CPU)
+    out = emulate(fused_emulator, tmp_path, p, num_ctas=num_ctas, min_tiles=min_tiles,
+                  stages=stages, reversed_ctas=reversed_ctas)
+    assert torch.isfinite(out).all(), "rows left unwritten (NaN poison)"
+    rel, worst = errors(out, reference(p))
+    rel_bound, max_bound = bounds(p)
+    if p.spec.fp8_kv:
+        rel_bound = FP8_BF16_QUERY_REL
+    assert rel < rel_bound and worst < max_bound, (rel, worst)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fused_merge_on_many_short_requests(fused_emulator, tmp_path, seed):
+    """Dozens of requests over a few CTAs, most cut in two: every merge in the decode grid."""
+    gen = torch.Generator().manual_seed(50 + seed)
+    lens = torch.randint(1, 200, (int(torch.randint(8, 40, (1,), generator=gen)),),
+                         generator=gen).tolist()
+    p = make_problem(heads=16, block=32, lens=lens, q_lens=1, dtype=BF16, kv_dtype=BF16,
+                     device=CPU, generator=gen)
+    out = emulate(fused_emulator, tmp_path, p, num_ctas=5, min_tiles=1, stages=2,
+                  reversed_ctas=seed % 2 == 1)
+    rel, worst = errors(out, reference(p))
+    assert rel < 1e-2 and worst < 2e-2, (rel, worst)

@@ -33,11 +33,10 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolk
 H200 = Platform("cuda", (9, 0), "NVIDIA H200")
 
 
-@pytest.fixture(scope="module")
-def ptxas_report(tmp_path_factory) -> dict[str, tuple[int, int, int]]:
+def _ptxas_report(out: Path, defines: tuple[str, ...] = ()) -> dict[str, tuple[int, int, int]]:
     """Entry point -> (registers, spill store bytes, spill load bytes) from ptxas -v."""
-    out = tmp_path_factory.mktemp("cubin") / "splitk.cubin"
-    cmd = [*nvcc_build.compile_command(NVCC, sk.SOURCE, out, (9, 0)), "-Xptxas", "-v"]
+    cmd = [*nvcc_build.compile_command(NVCC, sk.SOURCE, out, (9, 0), defines), "-Xptxas",
+           "-v"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     report: dict[str, tuple[int, int, int]] = {}
     name = None
@@ -50,6 +49,11 @@ def ptxas_report(tmp_path_factory) -> dict[str, tuple[int, int, int]]:
         elif (m := re.search(r"Used (\d+) registers", line)) and name:
             report[name] = (int(m.group(1)), *spills)
     return report
+
+
+@pytest.fixture(scope="module")
+def ptxas_report(tmp_path_factory) -> dict[str, tuple[int, int, int]]:
+    return _ptxas_report(tmp_path_factory.mktemp("cubin") / "splitk.cubin")
 
 
 VARIANTS = [(fp8, stages) for fp8 in (False, True) for stages in sk.STAGES[fp8]]
@@ -68,6 +72,19 @@ def test_every_entry_point_compiles_for_sm90_without_spills(ptxas_report, dtype,
     # One CTA of 128 * groups threads must fit the SM's 64K registers.
     assert decode[0] * 128 * groups <= 65536
     assert sk.decode_shared_bytes(stages, groups, fp8_kv) <= 227 * 1024
+
+
+@needs_nvcc
+def test_fused_merge_build_compiles_without_spills(tmp_path):
+    """``SplitKConfig(fuse_max_splits=...)``'s build: the merge at the end of the decode
+    kernel keeps every entry point within 255 registers, without spills."""
+    defines = sk.build_defines(sk.SplitKConfig(fuse_max_splits=8))
+    assert defines == ("SPLITK_FUSE_MAX_SPLITS=8",)
+    assert sk.build_defines(sk.SplitKConfig()) == ()
+    report = _ptxas_report(tmp_path / "fused.cubin", defines)
+    assert len(report) == 24
+    for name, (regs, spill_st, spill_ld) in report.items():
+        assert regs <= 255 and spill_st == 0 and spill_ld == 0, name
 
 
 @pytest.fixture(scope="module")

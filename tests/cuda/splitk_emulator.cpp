@@ -6,7 +6,10 @@
 //     shfl.xor: warp collectives (each lane posts its operands, waits for the warp, reads);
 //   * cp.async: a synchronous copy (zero-filled past src_bytes); commit / wait: nothing;
 //   * cvt to bf16/fp16 (round to nearest even), e4m3 to fp16 (exact), prmt.
-// CTAs run one after another (the kernels never wait on another CTA). What this shows:
+// CTAs run one after another (the kernels never wait on another CTA), in index order or
+// reversed (which CTA finishes a request last: the one that merges it when the kernel is
+// built with SPLITK_FUSE_MAX_SPLITS); __threadfence is then nothing and atomicAdd a plain
+// read-modify-write. What this shows:
 // the kernel's indexing, pipeline staging, segment and schedule logic, softmax, scales and
 // combine give the right numbers. What it cannot show: timing, races that need real
 // concurrency, and how the real instructions behave where this model differs from them.
@@ -280,6 +283,13 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
 // Grids run one after another here: nothing to wait for, nothing to start early.
 inline void allow_dependent_launch() {}
 inline void wait_for_prior_grid() {}
+// CTAs run one at a time (and a CTA's fibers only switch at barriers and warp collectives).
+inline void __threadfence() {}
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
 
 #define SPLITK_EMULATE
 #define SPLITK_SCHEDULE_ONLY
@@ -297,14 +307,15 @@ static void fiber_main() {
 }
 
 static void run_grid(void (*body)(const SplitKParams&), const SplitKParams& p, unsigned gx,
-                     unsigned gy, int threads) {
+                     unsigned gy, int threads, bool reversed = false) {
   g_body = body;
   g_params = &p;
   gridDim = {gx, gy, 1};
   std::vector<Fiber> fibers(threads);
   for (auto& f : fibers) f.stack.resize(256 * 1024);
   for (unsigned by = 0; by < gy; ++by)
-    for (unsigned bx = 0; bx < gx; ++bx) {
+    for (unsigned i = 0; i < gx; ++i) {
+      const unsigned bx = reversed ? gx - 1 - i : i;
       blockIdx = {bx, by, 0};
       std::memset(smem, 0xA5, sizeof(smem));  // stale garbage, as on a GPU
       g_cta_barrier = {threads, 0, 0};
@@ -374,13 +385,15 @@ int main(int argc, char** argv) {
   FILE* f = std::fopen(argv[1], "rb");
   if (!f) return 2;
   // ints: batch heads page_size num_ctas min_tiles num_pages bt_width num_tokens head_blocks
-  //       fp16 kv8 row_groups stages combine_ctas; floats: scale_log2 q_prescale out_scale
-  auto hdr = read_array<int>(f, 14);
+  //       fp16 kv8 row_groups stages combine_ctas reversed; floats: scale_log2 q_prescale
+  //       out_scale
+  auto hdr = read_array<int>(f, 15);
   auto scales = read_array<float>(f, 3);
   const int batch = hdr[0], heads = hdr[1], page = hdr[2], num_ctas = hdr[3];
   const int pages = hdr[5], width = hdr[6], tokens = hdr[7], head_blocks = hdr[8];
   const bool fp16 = hdr[9], kv8 = hdr[10];
   const int rg = hdr[11], stages = hdr[12], combine_ctas = hdr[13];
+  const bool reversed = hdr[14];
   auto q = read_array<u16>(f, static_cast<size_t>(tokens) * heads * kHeadDim);
   auto kv = read_array<unsigned char>(
       f, static_cast<size_t>(pages) * page * kHeadDim * (kv8 ? 1 : 2));
@@ -395,6 +408,7 @@ int main(int argc, char** argv) {
   std::vector<float> part_o(static_cast<size_t>(head_blocks) * 2 * num_ctas * rows * kLatent,
                             NAN);
   std::vector<float> part_lse(static_cast<size_t>(head_blocks) * 2 * num_ctas * rows, NAN);
+  std::vector<int> merge_count(static_cast<size_t>(head_blocks) * kMaxBatch, 0);
   SplitKParams p{};
   p.q = q.data();
   p.kv = reinterpret_cast<const u16*>(kv.data());
@@ -415,14 +429,17 @@ int main(int argc, char** argv) {
   p.scale_log2 = scales[0];
   p.q_prescale = scales[1];
   p.out_scale = scales[2];
+  p.merge_count = merge_count.data();
 
   auto decode = fp16 ? (kv8 ? pick_rg<true, true>(rg, stages) : pick_rg<true, false>(rg, stages))
                      : (kv8 ? pick_rg<false, true>(rg, stages) : pick_rg<false, false>(rg, stages));
   if (!decode) return 3;
-  run_grid(decode, p, num_ctas, head_blocks, 128 * rg);
+  run_grid(decode, p, num_ctas, head_blocks, 128 * rg, reversed);
   auto combine = fp16 ? (rg == 1 ? combine_entry<true, 1> : combine_entry<true, 2>)
                       : (rg == 1 ? combine_entry<false, 1> : combine_entry<false, 2>);
-  run_grid(combine, p, combine_ctas, head_blocks, 128);
+  run_grid(combine, p, combine_ctas, head_blocks, 128, reversed);
+  for (int c : merge_count)
+    if (c != 0) return 4;  // a counter not reset for the next launch
 
   FILE* o = std::fopen(argv[2], "wb");
   std::fwrite(out.data(), sizeof(u16), out.size(), o);

@@ -66,6 +66,7 @@ class SplitKParams(ctypes.Structure):
         ("scale_log2", ctypes.c_float),
         ("q_prescale", ctypes.c_float),
         ("out_scale", ctypes.c_float),
+        ("merge_count", ctypes.c_void_p),
     ]
 
 
@@ -79,11 +80,17 @@ class SplitKConfig:
         ctas_per_sm: decode CTAs per SM (one wave: the grid is ``SMs x ctas_per_sm``).
         min_tiles: fewest 32-token tiles per CTA; small batches use fewer CTAs (fewer
             partial results to combine).
+        fuse_max_splits: requests cut into at most this many pieces are merged inside the
+            decode grid, by the CTA that finishes the last piece, instead of by the combine
+            kernel after the whole grid (a separate build, ``SPLITK_FUSE_MAX_SPLITS``); 0:
+            every cut request by the combine kernel. Checked in the CPU emulator only (not
+            yet run on a GPU), so not the default.
     """
 
     stages: int | None = None
     ctas_per_sm: int | None = None
     min_tiles: int = 4
+    fuse_max_splits: int = 0
 
 
 def default_launch(groups: int, fp8_kv: bool) -> tuple[int, int]:
@@ -132,10 +139,18 @@ def decode_kernel_name(dtype: torch.dtype, fp8_kv: bool, groups: int, stages: in
             f"_rg{groups}_s{stages}")
 
 
+def build_defines(config: SplitKConfig) -> tuple[str, ...]:
+    """Preprocessor defines of the build ``config`` launches (none for the default)."""
+    if config.fuse_max_splits < 0:
+        raise ValueError(f"fuse_max_splits={config.fuse_max_splits}: 0 or more")
+    return (f"SPLITK_FUSE_MAX_SPLITS={config.fuse_max_splits}",) if config.fuse_max_splits else ()
+
+
 @cache
-def _module(device_index: int) -> CubinModule:
+def _module(device_index: int, defines: tuple[str, ...] = ()) -> CubinModule:
     capability = torch.cuda.get_device_capability(device_index)
-    return CubinModule(build_cubin(SOURCE, capability), torch.device("cuda", device_index))
+    return CubinModule(build_cubin(SOURCE, capability, defines),
+                       torch.device("cuda", device_index))
 
 
 class SplitKMLADecode:
@@ -174,9 +189,12 @@ class SplitKMLADecode:
         if stages not in STAGES[self.fp8_kv]:
             raise ValueError(f"stages={stages}: compiled depths are {STAGES[self.fp8_kv]}")
         self.stages = stages
+        if self.config.fuse_max_splits * rows * 4 + 16 > stages * stage_bytes(self.fp8_kv):
+            raise ValueError(f"fuse_max_splits={self.config.fuse_max_splits}: the merge "
+                             "weights must fit in the pipeline's shared memory")
         self.decode_shared = decode_shared_bytes(stages, self.groups, self.fp8_kv)
         self.combine_shared = self.num_ctas * rows * 4
-        self.use_module(_module(index))
+        self.use_module(_module(index, build_defines(self.config)))
         #: [max_batch + 1] prefix sums of each request's 32-token tiles, written by ``plan``.
         self.tile_prefix = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
         slots = self.head_blocks * 2 * self.num_ctas * rows
@@ -184,11 +202,16 @@ class SplitKMLADecode:
         self.part_o = torch.empty(slots * KV_LORA_RANK, dtype=torch.float32,
                                   device=self.device)
         self.part_lse = torch.empty(slots, dtype=torch.float32, device=self.device)
+        #: Pieces finished per (head block, request) of the fused merge; every launch leaves
+        #: them at zero (read only by builds with ``fuse_max_splits``).
+        self.merge_count = torch.zeros(self.head_blocks * MAX_BATCH, dtype=torch.int32,
+                                       device=self.device)
         self._params = SplitKParams(num_ctas=self.num_ctas, min_tiles=self.config.min_tiles,
                                     heads=heads, page_size=page_size,
                                     part_o=self.part_o.data_ptr(),
                                     part_lse=self.part_lse.data_ptr(),
-                                    tile_prefix=self.tile_prefix.data_ptr())
+                                    tile_prefix=self.tile_prefix.data_ptr(),
+                                    merge_count=self.merge_count.data_ptr())
 
     def plan(self, seq_lens: torch.Tensor) -> None:
         """Tile prefix sums of ``seq_lens`` ``[batch]`` int32 (device)."""

@@ -21,11 +21,15 @@
 //   out          [num_tokens, heads, 512] q's dtype
 //   part_o       [head_blocks, 2 * num_ctas, ROWS, 512] fp32, partial output / softmax sum
 //   part_lse     [head_blocks, 2 * num_ctas, ROWS] fp32, log2-sum-exp of the partial
+//   merge_count  [head_blocks, 1024] int32, zero between launches (SPLITK_FUSE_MAX_SPLITS)
 //
 // Schedule: the batch's 32-token tiles are laid end to end and cut into `active` equal
 // ranges (`active` = min(num_ctas, ceil(T / min_tiles))); CTA c reads tiles
 // [c*T/active, (c+1)*T/active). A CTA cuts at most two requests (its first and its last),
-// whose partials go to slots 2c and 2c+1. Query row r of a request with L keys and n query
+// whose partials go to slots 2c and 2c+1, merged by the combine kernel; built with
+// SPLITK_FUSE_MAX_SPLITS=K > 0, a request cut into at most K pieces is merged instead by
+// the decode CTA that finishes its piece last (a counter per request and head block), so
+// the combine kernel has nothing to wait for unless a request is cut more ways. Query row r of a request with L keys and n query
 // tokens sees keys < L - n + r / heads + 1 (bottom-right causal).
 //
 // No headers: the source compiles the same under nvcc and NVRTC, and, with SPLITK_EMULATE,
@@ -71,7 +75,14 @@ struct SplitKParams {
   float scale_log2;  // score -> log2 units: softmax scale * log2(e); FP8 caches: q_scale * k_scale
   float q_prescale;  // FP8 caches: the query is multiplied by this (softmax scale * log2(e))
   float out_scale;   // output multiplier: v_scale for FP8 caches, else 1
+  int* merge_count;  // per (head block, request): pieces finished (SPLITK_FUSE_MAX_SPLITS)
 };
+
+// Requests cut into at most this many pieces are merged inside the decode grid (0: all by
+// the combine kernel).
+#ifndef SPLITK_FUSE_MAX_SPLITS
+#define SPLITK_FUSE_MAX_SPLITS 0
+#endif
 
 namespace {
 
@@ -288,6 +299,82 @@ struct TileSource {
 };
 
 }  // namespace
+
+// Merging one cut request's partials (rows of head block hb), by NT threads: its splits'
+// weights from their log-sum-exps into s_w, then 128 output columns at a time. Used by the
+// combine kernel and, with SPLITK_FUSE_MAX_SPLITS, by the decode CTA that finishes the
+// request last. Every thread of the CTA calls both (barriers inside).
+template <int NT, int ROWS, typename SlotOf>
+__device__ __forceinline__ void merge_weights(const SplitKParams& p, i64 base, int splits,
+                                              SlotOf slot_of, float* s_w) {
+  constexpr int kWarps = NT / 32, kRowsPerWarp = ROWS / kWarps;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int idx = tid; idx < splits * ROWS; idx += NT) {
+    const int s = idx / ROWS, r = idx % ROWS;
+    s_w[idx] = __ldcg(p.part_lse + (base + slot_of(s)) * ROWS + r);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int r = warp + kWarps * i;
+    float mx = neg_inf();
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, s_w[s * ROWS + r]);
+#pragma unroll
+    for (int k = 16; k; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
+    const float msub = mx == neg_inf() ? 0.f : mx;
+    float sum = 0.f;
+    for (int s = lane; s < splits; s += 32) sum += exp2f(s_w[s * ROWS + r] - msub);
+#pragma unroll
+    for (int k = 16; k; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    __syncwarp();
+    for (int s = lane; s < splits; s += 32)
+      s_w[s * ROWS + r] = exp2f(s_w[s * ROWS + r] - msub) * inv;
+  }
+  __syncthreads();
+}
+
+template <bool FP16, int NT, int ROWS, typename SlotOf>
+__device__ __forceinline__ void merge_columns(const SplitKParams& p, i64 base, int splits,
+                                              SlotOf slot_of, const float* s_w, int col0,
+                                              i64 qrow0, int qrows, int hb) {
+  constexpr int kWarps = NT / 32, kRowsPerWarp = ROWS / kWarps;
+  constexpr int kBatchSplits = 16 / kRowsPerWarp;  // splits loaded together (16 float4 each)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int col = col0 + lane * 4;
+  // Every row's loads of a batch of splits are issued before any output is stored (a
+  // store in between would keep the compiler from hoisting the next row's loads).
+  float4 acc[kRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < splits; s0 += kBatchSplits) {
+    float4 v[kRowsPerWarp][kBatchSplits];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+      for (int u = 0; u < kBatchSplits; ++u)
+        v[i][u] = s0 + u < splits
+                      ? __ldcg(reinterpret_cast<const float4*>(
+                            p.part_o + ((base + slot_of(s0 + u)) * ROWS + warp + kWarps * i) * kLatent + col))
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+      for (int u = 0; u < kBatchSplits; ++u) {
+        const float w = s0 + u < splits ? s_w[(s0 + u) * ROWS + warp + kWarps * i] : 0.f;
+        acc[i].x += w * v[i][u].x; acc[i].y += w * v[i][u].y;
+        acc[i].z += w * v[i][u].z; acc[i].w += w * v[i][u].w;
+      }
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int rr = hb * ROWS + warp + kWarps * i;
+    if (rr >= qrows) continue;
+    u16* dst = p.out + (qrow0 + rr) * kLatent + col;
+    *reinterpret_cast<uint2*>(dst) =
+        make_uint2(pack16<FP16>(acc[i].x, acc[i].y), pack16<FP16>(acc[i].z, acc[i].w));
+  }
+}
 
 // FP16: the query (and output) is fp16, else bf16. KV8: the cache is FP8 e4m3 (products in
 // fp16: e4m3 widens to fp16 exactly; the query is scaled by q_prescale first), else the
@@ -660,21 +747,54 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   }
   end_segment(end);
   cp_async_wait<0>();
+#if SPLITK_FUSE_MAX_SPLITS > 0
+  // This CTA's cut requests (its first and its last): count its piece; the CTA that counts
+  // a request's last piece merges it (its partials are in L2, written before each count).
+  __syncthreads();  // every warp is past the pipeline: its shared memory is free
+  int* s_last = reinterpret_cast<int*>(smem);
+  float* s_weights = reinterpret_cast<float*>(smem) + 4;
+  for (int k = 0; k < 2; ++k) {
+    const int r = k == 0 ? first_req : req;
+    if (k == 1 && r == first_req) break;
+    const int r_first = s_pref[r], tiles = s_pref[r + 1] - r_first;
+    if (r_first >= start && r_first + tiles <= end) continue;  // whole: already in the output
+    const int c_first = cta_of(r_first, total, active);
+    const int splits = cta_of(r_first + tiles - 1, total, active) - c_first + 1;
+    if (splits > SPLITK_FUSE_MAX_SPLITS) continue;  // the combine kernel's
+    int* count = p.merge_count + hb * kMaxBatch + r;
+    __threadfence();  // this thread's partial stores before the count
+    __syncthreads();
+    if (tid == 0) *s_last = atomicAdd(count, 1) == splits - 1;
+    __syncthreads();
+    if (*s_last) {
+      __threadfence();  // then the other pieces' stores, counted before, are visible
+      const i64 base = static_cast<i64>(hb) * 2 * p.num_ctas;
+      auto slot_of = [&](int s) { return split_slot(s, c_first, r_first, total, active); };
+      const int qrows = (s_cuq[r + 1] - s_cuq[r]) * p.heads;
+      const i64 qrow0 = static_cast<i64>(s_cuq[r]) * p.heads;
+      merge_weights<NT, ROWS>(p, base, splits, slot_of, s_weights);
+      for (int chunk = 0; chunk < kLatent / 128; ++chunk)
+        merge_columns<FP16, NT, ROWS>(p, base, splits, slot_of, s_weights, chunk * 128, qrow0,
+                                      qrows, hb);
+      if (tid == 0) *count = 0;  // ready for the next launch
+    }
+    __syncthreads();  // s_last and s_weights are rewritten for the next request
+  }
+#endif
 }
 
-// Combines the partials of every request cut by range borders. Work item = (request,
-// 128-column chunk), one per CTA (the grid covers them; a stride loop keeps any grid
-// correct). The schedule (tile prefix sums, query offsets: written before the decode
-// launch) is read before waiting for the decode grid, so an item that has nothing to
-// combine exits and the rest overlap the decode's tail; after the wait, one round of loads
-// for the log-sum-exps and one for the partial outputs. Requests without keys (an engine's
-// padding rows) get zeros rather than stale memory, so nothing undefined flows into the
-// layers after attention.
+// Combines the partials of every request cut by range borders (into more than
+// SPLITK_FUSE_MAX_SPLITS pieces). Work item = (request, 128-column chunk), one per CTA (the
+// grid covers them; a stride loop keeps any grid correct). The schedule (tile prefix sums,
+// query offsets: written before the decode launch) is read before waiting for the decode
+// grid, so an item that has nothing to combine exits and the rest overlap the decode's
+// tail; after the wait, one round of loads for the log-sum-exps and one for the partial
+// outputs. Requests without keys (an engine's padding rows) get zeros rather than stale
+// memory, so nothing undefined flows into the layers after attention.
 template <bool FP16, int RG>
 __device__ __forceinline__ void combine_body(const SplitKParams& p) {
   constexpr int ROWS = 16 * RG;
   constexpr int kRowsPerWarp = ROWS / 4;
-  constexpr int kBatchSplits = 4 / RG;  // splits loaded together per row (16 float4 per thread)
   extern __shared__ __align__(16) float s_w[];  // [splits][ROWS] weights
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int hb = blockIdx.y;
@@ -698,67 +818,13 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
     }
     const int c_first = cta_of(first, total, active);
     const int splits = cta_of(first + tiles - 1, total, active) - c_first + 1;
-    if (splits <= 1) continue;
+    if (splits <= 1 || splits <= SPLITK_FUSE_MAX_SPLITS) continue;
     const i64 base = static_cast<i64>(hb) * 2 * p.num_ctas;
     auto slot_of = [&](int s) { return split_slot(s, c_first, first, total, active); };
     wait_for_prior_grid();  // the partials are the decode grid's (returns at once when repeated)
-
-    for (int idx = tid; idx < splits * ROWS; idx += 128) {
-      const int s = idx / ROWS, r = idx % ROWS;
-      s_w[idx] = __ldcg(p.part_lse + (base + slot_of(s)) * ROWS + r);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int r = warp + 4 * i;
-      float mx = neg_inf();
-      for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, s_w[s * ROWS + r]);
-#pragma unroll
-      for (int k = 16; k; k >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, k));
-      const float msub = mx == neg_inf() ? 0.f : mx;
-      float sum = 0.f;
-      for (int s = lane; s < splits; s += 32) sum += exp2f(s_w[s * ROWS + r] - msub);
-#pragma unroll
-      for (int k = 16; k; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      __syncwarp();
-      for (int s = lane; s < splits; s += 32)
-        s_w[s * ROWS + r] = exp2f(s_w[s * ROWS + r] - msub) * inv;
-    }
-    __syncthreads();
-
-    // Every row's loads of a batch of splits are issued before any output is stored (a
-    // store in between would keep the compiler from hoisting the next row's loads).
-    float4 acc[kRowsPerWarp];
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < splits; s0 += kBatchSplits) {
-      float4 v[kRowsPerWarp][kBatchSplits];
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i)
-#pragma unroll
-        for (int u = 0; u < kBatchSplits; ++u)
-          v[i][u] = s0 + u < splits
-                        ? __ldcg(reinterpret_cast<const float4*>(
-                              p.part_o + ((base + slot_of(s0 + u)) * ROWS + warp + 4 * i) * kLatent + col))
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i)
-#pragma unroll
-        for (int u = 0; u < kBatchSplits; ++u) {
-          const float w = s0 + u < splits ? s_w[(s0 + u) * ROWS + warp + 4 * i] : 0.f;
-          acc[i].x += w * v[i][u].x; acc[i].y += w * v[i][u].y;
-          acc[i].z += w * v[i][u].z; acc[i].w += w * v[i][u].w;
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int rr = hb * ROWS + warp + 4 * i;
-      if (rr >= qrows) continue;
-      u16* dst = p.out + (qrow0 + rr) * kLatent + col;
-      *reinterpret_cast<uint2*>(dst) =
-          make_uint2(pack16<FP16>(acc[i].x, acc[i].y), pack16<FP16>(acc[i].z, acc[i].w));
-    }
+    merge_weights<128, ROWS>(p, base, splits, slot_of, s_w);
+    merge_columns<FP16, 128, ROWS>(p, base, splits, slot_of, s_w, chunk * 128, qrow0, qrows,
+                                   hb);
     __syncthreads();  // s_w is rewritten by the next item
   }
 }

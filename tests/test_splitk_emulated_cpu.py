@@ -111,20 +111,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_kernel_source_matches_float64(emulator, tmp_path, case):
+def check_case(exe: Path, tmp: Path, case: tuple, reversed_ctas: bool = False) -> None:
+    """One of ``CASES`` through the emulator ``exe``, against float64."""
     _, heads, block, lens, q_lens, dtype, kv_dtype, scales, num_ctas, min_tiles, stages = case
     torch.manual_seed(len(lens) * 31 + heads)
     p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_lens, dtype=dtype,
                      kv_dtype=kv_dtype, scales=scales or KVScales(), device=CPU)
-    out = emulate(emulator, tmp_path, p, num_ctas=num_ctas, min_tiles=min_tiles,
-                  stages=stages)
+    out = emulate(exe, tmp, p, num_ctas=num_ctas, min_tiles=min_tiles, stages=stages,
+                  reversed_ctas=reversed_ctas)
     assert torch.isfinite(out).all(), "rows left unwritten (NaN poison)"
     rel, worst = errors(out, reference(p))
     rel_bound, max_bound = bounds(p)
     if p.spec.fp8_kv:
         rel_bound = FP8_BF16_QUERY_REL
     assert rel < rel_bound and worst < max_bound, (rel, worst)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernel_source_matches_float64(emulator, tmp_path, case):
+    check_case(emulator, tmp_path, case)
 
 
 def test_padding_requests_come_out_zero(emulator, tmp_path):
@@ -190,18 +195,7 @@ def test_fused_merge_matches_float64(fused_emulator, tmp_path, case, reversed_ct
     """Built with SPLITK_FUSE_MAX_SPLITS=4: whichever CTA finishes a cut request last merges
     it, the combine kernel takes the requests cut more ways, every counter is back at zero
     after the launch (the emulator exits non-zero otherwise)."""
-    _, heads, block, lens, q_lens, dtype, kv_dtype, scales, num_ctas, min_tiles, stages = case
-    torch.manual_seed(len(lens) * 31 + heads)
-    p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_lens, dtype=dtype,
-                     kv_dtype=kv_dtype, scales=scales or KVScales(), device=CPU)
-    out = emulate(fused_emulator, tmp_path, p, num_ctas=num_ctas, min_tiles=min_tiles,
-                  stages=stages, reversed_ctas=reversed_ctas)
-    assert torch.isfinite(out).all(), "rows left unwritten (NaN poison)"
-    rel, worst = errors(out, reference(p))
-    rel_bound, max_bound = bounds(p)
-    if p.spec.fp8_kv:
-        rel_bound = FP8_BF16_QUERY_REL
-    assert rel < rel_bound and worst < max_bound, (rel, worst)
+    check_case(fused_emulator, tmp_path, case, reversed_ctas)
 
 
 @pytest.mark.parametrize("seed", range(4))

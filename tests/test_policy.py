@@ -390,6 +390,7 @@ def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
                               failing=("cuda-splitk",))
     assert dec.route_name == "vllm-fa3-mla+flashmla" and "cuda-splitk" not in stubs
     assert "cuda-splitk" in caplog.text and "nvcc failed to compile" in caplog.text
+    assert "next route of their ranking" in caplog.text
     dec.plan(batch([300] * 128))
     assert dec.route.name == "flashmla"
 

@@ -155,9 +155,9 @@ class MLADecoder:
                 if c.name == default.name:
                     raise
                 # A per-batch alternative that cannot start (e.g. a broken extension) is
-                # left out; the default route serves every batch.
-                logger.warning("decode route %s left out: %s: %s; %s serves every batch",
-                               c.name, type(error).__name__, error, default.name)
+                # left out; its batches run the next route of their ranking.
+                logger.warning("decode route %s left out: %s: %s; its batches run the next "
+                               "route of their ranking", c.name, type(error).__name__, error)
         choices = tuple(c for c in choices if c.name in self.routes)
         if len(choices) == 1:
             self.choice = default

@@ -6,12 +6,13 @@
 #   bash benchmarks/splitk_gpu_run.sh bf16 OUT    # speed against every peer, bf16 cache
 #   bash benchmarks/splitk_gpu_run.sh fp8 OUT     # speed against FlashMLA FP8
 #   bash benchmarks/splitk_gpu_run.sh profile OUT # where the time goes (variants, ncu)
+#   bash benchmarks/splitk_gpu_run.sh fused OUT   # the fused-merge build against the default
 #
 # `check` needs only torch and nvcc (FlashInfer stays off the path: the reliability tests
 # would prebuild its modules). The bench phases need .whl/ (../shared/device/fetch-wheels.sh)
 # and .peers/ (../shared/device/fetch-peers.sh) carried to the machine.
 set -u
-phase="${1:?phase: check, bf16 or fp8}"
+phase="${1:?phase: check, bf16, fp8, profile or fused}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
@@ -50,6 +51,23 @@ case "$phase" in
     timeout 560 python3 benchmarks/bench_decode.py --out "$out/$phase" --extra-routes cuda-splitk \
       "${args[@]}" > "$out/bench-$phase.log" 2>&1
     grep -A80 "route:cuda-splitk" "$out/bench-$phase.log" | tail -60
+    ;;
+  fused)
+    # SplitKConfig(fuse_max_splits=K): GPU tests, then the variants table of the default and
+    # fused builds side by side, then every peer on seeded shapes with <= 16 rows/request.
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -s tests/gpu/test_splitk_gpu.py \
+      -k fused > "$out/pytest-fused.log" 2>&1
+    grep -E "passed|failed|error" "$out/pytest-fused.log" | tail -3
+    timeout 150 python3 benchmarks/splitk_profile.py --shapes 0,1,2,3,4 \
+      --configs "0,0,4;0,0,4,4;0,0,4,8;0,0,4,16" 2>&1 | tee "$out/profile-fused.log"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PWD/.peers:/tmp/site:$PYTHONPATH"
+    timeout 280 python3 benchmarks/bench_decode.py --out "$out/fused" --no-prewarm \
+      --shapes 1,2,4,44,45,46 --kv bf16 --random 4 --random-count 60 \
+      --random-max-request-rows 16 --splitk-configs "0,0,4;0,0,4,8" \
+      > "$out/bench-fused.log" 2>&1
+    grep -A40 "splitk\[s0c0m4\]" "$out/bench-fused.log" | tail -60
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -47,18 +47,14 @@ def _prefill_route(platform) -> str:
     )
 
 
-#: The GPU generation the split-KV kernel is built and measured for.
-SPLITK_CAPABILITY = (9, 0)
-
-
 def splitk_kernel_status(platform) -> str | None:
     """The report's line on the plugin's CUDA split-KV kernel (SM90 GPUs only)."""
-    if platform.kind != "cuda" or platform.capability != SPLITK_CAPABILITY:
-        return None
     from .ops.kernels.nvcc_build import cached_cubin, find_nvcc
-    from .ops.kernels.splitk_mla_decode import SOURCE
+    from .ops.kernels.splitk_mla_decode import CAPABILITY, SOURCE
 
-    built = cached_cubin(SOURCE, SPLITK_CAPABILITY)
+    if platform.kind != "cuda" or platform.capability != CAPABILITY:
+        return None
+    built = cached_cubin(SOURCE, CAPABILITY)
     if built is not None:
         return f"split-KV kernel (cuda-splitk): built, {built}"
     nvcc = find_nvcc()
@@ -74,10 +70,10 @@ def splitk_kernel_status(platform) -> str | None:
 def build_kernels() -> tuple[list[str], bool]:
     """Compile the split-KV kernel for SM90 into the cache; lines to print and success."""
     from .ops.kernels.nvcc_build import build_cubin, cache_dir
-    from .ops.kernels.splitk_mla_decode import SOURCE
+    from .ops.kernels.splitk_mla_decode import CAPABILITY, SOURCE
 
     try:
-        path = build_cubin(SOURCE, SPLITK_CAPABILITY)
+        path = build_cubin(SOURCE, CAPABILITY)
     except RuntimeError as error:
         return [str(error)], False
     return [f"split-KV kernel for SM90: {path}",

@@ -80,22 +80,27 @@ def _cubin_prefix(source: Path, capability: tuple[int, int], defines: tuple[str,
             f"{_digest(source.read_bytes() + flags, 16)}")
 
 
+def _own_cubin(out_dir: Path, prefix: str, nvcc: str) -> Path:
+    """Where ``nvcc`` puts (or put) its build of ``prefix``."""
+    return out_dir / f"{prefix}-{_digest(_nvcc_version(nvcc).encode(), 8)}.cubin"
+
+
+def _find_cubin(out_dir: Path, prefix: str, nvcc: str | None) -> Path | None:
+    if nvcc is not None and (own := _own_cubin(out_dir, prefix, nvcc)).exists():
+        return own
+    if not out_dir.is_dir():
+        return None
+    built = sorted(out_dir.glob(f"{prefix}-*.cubin"), key=lambda p: p.stat().st_mtime)
+    return built[-1] if built else None
+
+
 def cached_cubin(source: Path, capability: tuple[int, int],
                  defines: tuple[str, ...] = ()) -> Path | None:
     """A finished build of ``source`` for ``capability`` in ``cache_dir()``: this machine's
     nvcc's where there is one, else the newest by any nvcc (a prebuilt kernel); ``None``
     when there is none. Cheap (no subprocess without nvcc; one directory listing)."""
-    out_dir = cache_dir() / "cubin"
-    prefix = _cubin_prefix(source, capability, defines)
-    nvcc = find_nvcc()
-    if nvcc is not None:
-        own = out_dir / f"{prefix}-{_digest(_nvcc_version(nvcc).encode(), 8)}.cubin"
-        if own.exists():
-            return own
-    if not out_dir.is_dir():
-        return None
-    built = sorted(out_dir.glob(f"{prefix}-*.cubin"), key=lambda p: p.stat().st_mtime)
-    return built[-1] if built else None
+    return _find_cubin(cache_dir() / "cubin", _cubin_prefix(source, capability, defines),
+                       find_nvcc())
 
 
 def compile_command(nvcc: str, source: Path, output: Path, capability: tuple[int, int],
@@ -112,19 +117,19 @@ def build_cubin(source: Path, capability: tuple[int, int],
     Raises ``RuntimeError`` naming the fix when there is neither a cached build nor
     ``nvcc``, or the build fails.
     """
-    found = cached_cubin(source, capability, defines)
+    out_dir = cache_dir() / "cubin"
+    prefix = _cubin_prefix(source, capability, defines)
+    nvcc = find_nvcc()
+    found = _find_cubin(out_dir, prefix, nvcc)
     if found is not None:
         return found
-    nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError(
             f"{source.name} is compiled at first use and needs the CUDA toolkit's nvcc: "
             "install it (e.g. the CUDA toolkit matching your driver) and put it on PATH or "
             "set CUDA_HOME; or build it where nvcc is (python -m trtllm_mla_plugin "
             f"--build-kernels) and bring {cache_dir()} along (TRTLLM_MLA_CACHE_DIR)")
-    out_dir = cache_dir() / "cubin"
-    target = out_dir / (f"{_cubin_prefix(source, capability, defines)}-"
-                        f"{_digest(_nvcc_version(nvcc).encode(), 8)}.cubin")
+    target = _own_cubin(out_dir, prefix, nvcc)
     out_dir.mkdir(parents=True, exist_ok=True)
     logger.info("compiling %s for SM%d%d with %s (first use, a few seconds)", source.name,
                 capability[0], capability[1], nvcc)

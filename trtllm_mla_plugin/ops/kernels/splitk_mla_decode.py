@@ -26,6 +26,8 @@ from .cuda_driver import CubinModule
 from .nvcc_build import build_cubin
 
 SOURCE = Path(__file__).with_name("cuda") / "splitk_mla_decode.cu"
+#: The GPU generation the kernel is built and measured for (Hopper).
+CAPABILITY = (9, 0)
 KV_LORA_RANK, ROPE_DIM = 512, 64
 HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 #: KV tokens per pipeline stage; pages must hold a whole number of tiles.

@@ -19,6 +19,7 @@ import torch
 
 from ..kernels.nvcc_build import cached_cubin, find_nvcc
 from ..kernels.splitk_mla_decode import (
+    CAPABILITY,
     DTYPE_NAMES,
     FP8,
     MAX_BATCH,
@@ -39,7 +40,7 @@ class CudaSplitKRoute(DecodeRoute):
 
     @classmethod
     def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
-        if platform.kind != "cuda" or platform.capability != (9, 0):
+        if platform.kind != "cuda" or platform.capability != CAPABILITY:
             return ("the CUDA split-KV kernel is built and measured for SM90 (Hopper); this is "
                     f"{platform.describe()}")
         if (spec.kv_lora_rank, spec.rope_dim) != (512, 64):
@@ -53,7 +54,7 @@ class CudaSplitKRoute(DecodeRoute):
                     f"of {TILE_TOKENS}")
         if spec.max_q_len > MAX_Q_LEN:
             return f"max_q_len={spec.max_q_len}: the CUDA split-KV kernel takes up to {MAX_Q_LEN}"
-        if find_nvcc() is None and cached_cubin(SOURCE, platform.capability) is None:
+        if find_nvcc() is None and cached_cubin(SOURCE, CAPABILITY) is None:
             return ("the CUDA split-KV kernel compiles at first use and needs nvcc (install the "
                     "CUDA toolkit, put nvcc on PATH or set CUDA_HOME), or a build of it made "
                     "where nvcc is: python -m trtllm_mla_plugin --build-kernels, with the "

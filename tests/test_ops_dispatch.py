@@ -207,6 +207,25 @@ def test_cpu_decoder_matches_reference():
     torch.testing.assert_close(one_shot, got)
 
 
+def test_query_in_two_parts_matches_the_concatenated_query():
+    """vLLM hands a 16-bit query over as (latent, rope) parts; a route that reads one
+    tensor gets them concatenated by the decoder, with the same result."""
+    s, batch, query, kv = cpu_problem(q_len=2)
+    decoder = MLADecoder(s, "cpu", max_batch_size=4)
+    decoder.plan(batch)
+    latent, rope = query[..., :8].contiguous(), query[..., 8:].contiguous()
+    want = mla_decode_reference(query.double(), kv.double(), batch.block_table,
+                                batch.seq_lens, 0.5, 8)
+    torch.testing.assert_close(decoder.run((latent, rope), kv).double(), want,
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"query parts must be \[num_tokens, 2, 4\]"):
+        decoder.run((latent, rope[..., :3]), kv)
+    with pytest.raises(ValueError, match="rows but the planned batch"):
+        decoder.run((latent, rope[:1]), kv)
+    with pytest.raises(ValueError, match="dtype mismatch"):
+        decoder.run((latent, rope.double()), kv)
+
+
 @pytest.mark.parametrize(
     "mutate,match",
     [

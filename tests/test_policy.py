@@ -21,6 +21,7 @@ from trtllm_mla_plugin.ops import (
     policy,
 )
 from trtllm_mla_plugin.ops import decoder as decoder_mod
+from trtllm_mla_plugin.ops.platform import CPU
 from trtllm_mla_plugin.ops.policy import BatchShape
 from trtllm_mla_plugin.ops.routes import ROUTES
 
@@ -537,3 +538,23 @@ def test_splitk_rule_holds_on_every_timed_shape(files):
     assert min(eager) >= 1.0, eager
     assert min(graph) >= 0.98, graph
     assert sum(math.log(g) for g in graph) > 0
+
+
+def test_short_prefills_take_vllm_fa3_on_hopper_16bit_caches_only(kernels_present):
+    """Decode batches that carry short prefills (up to 512 new tokens per request) run on
+    vLLM's FA3 MLA kernel where it serves the widened spec, as vLLM's FLASH_ATTN_MLA runs
+    them; elsewhere there is no such route and the engine keeps its prefill path."""
+    choice = decoder_mod.small_prefill_choice(spec(16), H200)
+    assert choice is not None and choice.name == "vllm-fa3-mla"
+    assert decoder_mod.small_prefill_spec(spec(16)).max_q_len == policy.SMALL_PREFILL_MAX_Q_LEN
+    assert decoder_mod.small_prefill_spec(spec(16, q_len=600)).max_q_len == 600
+    assert decoder_mod.small_prefill_choice(spec(16, kv=FP8), H200) is None
+    assert decoder_mod.small_prefill_choice(spec(16, block=8), H200) is None  # FA3 pages
+    assert decoder_mod.small_prefill_choice(spec(16), B200) is None
+    assert decoder_mod.small_prefill_choice(spec(16), CPU) is None
+
+
+def test_short_prefills_need_vllm_fa3(kernels_present, monkeypatch):
+    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.vllm_fa3_mla.module_available",
+                        lambda name: False)
+    assert decoder_mod.small_prefill_choice(spec(16), H200) is None

@@ -126,3 +126,35 @@ def test_host_lengths_plan_without_device_sync(route: str, cuda_graph: bool) -> 
         out = decoder.run(p.query, p.kv_cache)
         rel, _ = errors(out, reference(p, route))
         assert rel < 1e-2, (sort, rel)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["concatenated", "parts"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_short_prefills_on_their_decode_route(heads: int, split: bool) -> None:
+    """Steps whose decode part carries short prefills (``ops.small_prefill_choice``, up to
+    512 new tokens per request over cached context or none, mixed with one-token decodes):
+    the route, planned as the engine's builder plans it, against float64; the query whole
+    or as vLLM's (latent, rope) parts."""
+    from trtllm_mla_plugin.ops import platform_of, small_prefill_choice, small_prefill_spec
+
+    device = torch.device("cuda")
+    torch.manual_seed(heads + split)
+    lens = [700, 512, 37, 2100, 1, 4096, 64]
+    q_lens = [200, 512, 37, 1, 1, 63, 64]
+    p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_lens, dtype=BF16,
+                     kv_dtype=BF16, device=device)
+    choice = small_prefill_choice(p.spec, platform_of(device))
+    if choice is None:
+        pytest.skip("no short-prefill route on this GPU (SM90 with vLLM's FA3 MLA only)")
+    decoder = MLADecoder(small_prefill_spec(p.spec), device, max_batch_size=8,
+                         route=choice.name)
+    decoder.plan(with_host_lengths(p.batch))
+    query = (p.query[..., :512], p.query[..., 512:]) if split else p.query
+    out = torch.full((p.query.shape[0], heads, 512), float("nan"), dtype=BF16, device=device)
+    decoder.run(query, p.kv_cache, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    rel, worst = errors(out, reference(p, choice.name))
+    rel_bound, max_bound = bounds(p)
+    print(f"[{choice.name} short prefills h{heads} split={split}] rel={rel:.2e} max={worst:.2e}")
+    assert rel < rel_bound and worst < max_bound, (rel, worst)

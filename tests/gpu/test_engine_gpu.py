@@ -447,6 +447,20 @@ def test_prefix_caching_matches_flashmla(engine):
         assert hits >= len(PREFIX_SUFFIX_LENS) * cached_blocks_tokens, (run.name, hits)
 
 
+def test_short_prefills_run_on_the_decode_kernel_on_hopper(engine):
+    """On SM90 with a bf16 cache, requests with up to 512 new tokens (the mix's short
+    prompts, the prefix workload's suffixes over a cached prefix, a long prompt's last
+    chunk) run on vLLM's FA3 MLA decode kernel, as vLLM's FLASH_ATTN_MLA runs them; the
+    tests above compare those generations with FLASHMLA's, which prefills them."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the short-prefill decode pathway is SM90 only")
+    ours = engine("trtllm-env")
+    assert_plugin_served(ours)
+    assert ("short prefills (up to 512 new tokens) on decode route vllm-fa3-mla"
+            in ours.log), ours.log[-3000:]
+    assert "TRTLLM_MLA short prefills on decode route vllm-fa3-mla" in ours.log
+
+
 def test_attention_backend_arg_and_eager_match_flashmla(engine):
     ours, ref = engine("trtllm-arg-eager"), engine("flashmla")
     assert_plugin_served(ours)

@@ -10,6 +10,8 @@ from .decoder import (
     engine_query_dtype,
     mla_decode,
     route_set,
+    small_prefill_choice,
+    small_prefill_spec,
 )
 from .platform import Platform, platform_of
 from .reference import mla_decode_reference
@@ -29,4 +31,6 @@ __all__ = [
     "mla_decode_reference",
     "platform_of",
     "route_set",
+    "small_prefill_choice",
+    "small_prefill_spec",
 ]

@@ -3,7 +3,7 @@ one-shot ``mla_decode``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -80,6 +80,23 @@ def route_set(
         choice = _first_eligible(ranking, spec, platform)
         found.setdefault(choice.name, choice)
     return tuple(found.values())
+
+
+def small_prefill_choice(spec: DecodeSpec, platform: Platform) -> RouteChoice | None:
+    """The route for decode batches that carry short prefills (``policy.small_prefill_rank``:
+    up to ``policy.SMALL_PREFILL_MAX_Q_LEN`` query tokens per request) for ``spec``, or
+    ``None`` where none is eligible (an engine then keeps those requests on its prefill
+    path). Eligibility is checked on ``small_prefill_spec(spec)``."""
+    wide = small_prefill_spec(spec)
+    for name in policy.small_prefill_rank(wide, platform):
+        if ROUTES[name].unsupported_reason(wide, platform) is None:
+            return RouteChoice(name, ROUTES[name].kernel, ())
+    return None
+
+
+def small_prefill_spec(spec: DecodeSpec) -> DecodeSpec:
+    """``spec`` widened to the query length of short prefills."""
+    return replace(spec, max_q_len=max(spec.max_q_len, policy.SMALL_PREFILL_MAX_Q_LEN))
 
 
 def engine_query_dtype(
@@ -214,7 +231,7 @@ class MLADecoder:
 
     def run(
         self,
-        query: torch.Tensor,
+        query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         out: torch.Tensor | None = None,
         scales: KVScales = UNIT_SCALES,
@@ -222,7 +239,10 @@ class MLADecoder:
         """Decode one layer.
 
         Args:
-            query: ``[num_tokens, num_heads, Dc + Dr]`` in ``spec.q_dtype``.
+            query: ``[num_tokens, num_heads, Dc + Dr]`` in ``spec.q_dtype``, or its two
+                parts ``([num_tokens, num_heads, Dc], [num_tokens, num_heads, Dr])`` as
+                vLLM holds them for 16-bit caches: routes that read them apart
+                (``DecodeRoute.takes_split_query``) skip the concatenation.
             kv_cache: ``[num_blocks, block_size, Dc + Dr]`` in ``spec.kv_dtype``.
             out: optional ``[num_tokens, num_heads, Dc]`` output buffer. Without it,
                 routes whose kernel allocates its output (``DecodeRoute.own_output``) hand
@@ -235,10 +255,12 @@ class MLADecoder:
         if self._batch is None:
             raise RuntimeError("MLADecoder.run called before plan()")
         check_run_inputs(self.spec, self._batch, query, kv_cache, out)
+        if isinstance(query, tuple) and not self.route.takes_split_query:
+            query = torch.cat(query, dim=-1)
         if out is None and not self.route.own_output:
-            out = query.new_empty(
-                query.shape[0], query.shape[1], self.spec.kv_lora_rank,
-                dtype=self.output_dtype,
+            rows = query[0] if isinstance(query, tuple) else query
+            out = rows.new_empty(
+                rows.shape[0], rows.shape[1], self.spec.kv_lora_rank, dtype=self.output_dtype,
             )
         return self.route.run(query, kv_cache, out, scales)
 

@@ -144,6 +144,17 @@ FA_SORT_MIN_BATCH = 128
 FA_SORT_MIN_MEAN_LEN = 1024
 #: kv_tokens matters only to batches of at least this many (possible) KV tokens.
 KV_TOKENS_WORTH_COUNTING = 64 * 1024
+#: Short prefills (requests with up to this many new tokens, over any cached context) may
+#: run on a decode kernel instead of vLLM's MLA prefill path, which first up-projects the
+#: request's whole cached context through ``kv_b_proj``: vLLM's own SM90 default,
+#: FLASH_ATTN_MLA, does so for up to 512 tokens (its builder's ``reorder_batch_threshold``),
+#: and in the engine (run 56, h16, prompts 1k-8k re-sent with their prefix cached) its
+#: step that recomputes each prompt's last, partial page took 0.5-0.6x the time it took
+#: through the prefill path (the plugin and FLASHMLA then).
+SMALL_PREFILL_MAX_Q_LEN = 512
+#: Routes for those batches, most preferred first: on SM90 with a 16-bit cache, the kernel
+#: FLASH_ATTN_MLA runs them on (so they cost what they cost without the plugin).
+HOPPER_SMALL_PREFILL = (VLLM_FA3,)
 
 
 @dataclass(frozen=True)
@@ -298,6 +309,17 @@ def rank(
     if platform.capability >= (8, 0):
         return AMPERE_ADA
     return OTHER
+
+
+def small_prefill_rank(spec: DecodeSpec, platform: Platform) -> tuple[str, ...]:
+    """Routes for decode batches carrying short prefills (up to ``SMALL_PREFILL_MAX_Q_LEN``
+    query tokens per request, causal, lengths known), most preferred first; empty where the
+    plugin leaves them to vLLM's prefill path (every GPU but SM90, and FP8 caches, whose
+    short prefills vLLM's FLASHMLA also sends through that path)."""
+    if (platform.kind == "cuda" and platform.capability is not None
+            and platform.capability[0] == 9 and not spec.fp8_kv):
+        return HOPPER_SMALL_PREFILL
+    return ()
 
 
 def rankings(

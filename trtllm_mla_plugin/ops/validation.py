@@ -77,36 +77,48 @@ def check_batch(spec: DecodeSpec, batch: DecodeBatch, max_batch_size: int) -> No
 def check_run_inputs(
     spec: DecodeSpec,
     batch: DecodeBatch,
-    query: torch.Tensor,
+    query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     kv_cache: torch.Tensor,
     out: torch.Tensor | None,
 ) -> None:
+    """``query``: ``[num_tokens, heads, Dc + Dr]``, or its two parts ``([num_tokens, heads,
+    Dc], [num_tokens, heads, Dr])`` as an engine may hold them (``MLADecoder.run``)."""
     d = spec.head_dim
-    if query.dim() != 3 or query.shape[1:] != (spec.num_heads, d):
-        raise ValueError(
-            f"query must be [num_tokens, {spec.num_heads}, {d}] (heads, kv_lora_rank + "
-            f"rope_dim); got {tuple(query.shape)}"
-        )
-    if query.shape[0] != batch.num_tokens:
-        raise ValueError(
-            f"query has {query.shape[0]} rows but the planned batch has {batch.num_tokens}"
-        )
+    if isinstance(query, tuple):
+        parts = query
+        widths = (spec.kv_lora_rank, spec.rope_dim)
+        what = "query parts must be [num_tokens, {h}, {w}] (latent, rope)"
+    else:
+        parts, widths = (query,), (d,)
+        what = "query must be [num_tokens, {h}, {w}] (heads, kv_lora_rank + rope_dim)"
+    for part, width in zip(parts, widths, strict=True):
+        if part.dim() != 3 or part.shape[1:] != (spec.num_heads, width):
+            raise ValueError(
+                what.format(h=spec.num_heads, w=width) + f"; got {tuple(part.shape)}"
+            )
+        if part.shape[0] != batch.num_tokens:
+            raise ValueError(
+                f"query has {part.shape[0]} rows but the planned batch has {batch.num_tokens}"
+            )
     if kv_cache.dim() != 3 or kv_cache.shape[1:] != (spec.block_size, d):
         raise ValueError(
             f"kv_cache must be [num_blocks, {spec.block_size}, {d}] (block_size, "
             f"kv_lora_rank + rope_dim); got {tuple(kv_cache.shape)}"
         )
-    if query.dtype != spec.q_dtype or kv_cache.dtype != spec.kv_dtype:
+    for part in parts:
+        if part.dtype != spec.q_dtype or kv_cache.dtype != spec.kv_dtype:
+            raise ValueError(
+                f"dtype mismatch: decoder built for query {spec.q_dtype} / cache "
+                f"{spec.kv_dtype}, got {part.dtype} / {kv_cache.dtype}"
+            )
+        if part.device != kv_cache.device:
+            raise ValueError(f"query on {part.device} but kv_cache on {kv_cache.device}")
+        if part.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+            raise ValueError(
+                "query and kv_cache need a contiguous last dimension; call .contiguous()"
+            )
+    if out is not None and out.shape != (batch.num_tokens, spec.num_heads, spec.kv_lora_rank):
         raise ValueError(
-            f"dtype mismatch: decoder built for query {spec.q_dtype} / cache {spec.kv_dtype}, "
-            f"got {query.dtype} / {kv_cache.dtype}"
-        )
-    if query.device != kv_cache.device:
-        raise ValueError(f"query on {query.device} but kv_cache on {kv_cache.device}")
-    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("query and kv_cache need a contiguous last dimension; call .contiguous()")
-    if out is not None and out.shape != (query.shape[0], spec.num_heads, spec.kv_lora_rank):
-        raise ValueError(
-            f"out must be [{query.shape[0]}, {spec.num_heads}, {spec.kv_lora_rank}], "
+            f"out must be [{batch.num_tokens}, {spec.num_heads}, {spec.kv_lora_rank}], "
             f"got {tuple(out.shape)}"
         )

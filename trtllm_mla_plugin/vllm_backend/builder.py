@@ -18,7 +18,14 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..log import logger_name
-from ..ops import DecodeBatch, MLADecoder
+from ..ops import (
+    DecodeBatch,
+    DecodeSpec,
+    MLADecoder,
+    platform_of,
+    small_prefill_choice,
+    small_prefill_spec,
+)
 from .decode_spec import forced_route, model_decode_spec
 
 logger = init_logger(logger_name(__name__))
@@ -80,8 +87,9 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         )
         self._slot_mapping: torch.Tensor | None = None
         # Set once a real step (not a warm-up or CUDA-graph capture run) has given decode
-        # several query tokens per request; see _note_multi_token_decode.
+        # several query tokens per request, or short prefills; see _note_first_real_step.
         self._multi_token_decode_seen = False
+        self._small_prefill_seen = False
         max_batch = vllm_config.scheduler_config.max_num_seqs
         cudagraph_mode = self.compilation_config.cudagraph_mode
         full_graphs = device.type == "cuda" and cudagraph_mode.has_full_cudagraphs()
@@ -90,18 +98,44 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         self.decoder = MLADecoder(
             spec, device, max_batch, route=forced_route(), cuda_graph=full_graphs
         )
+        self.small_prefill_decoder = self._small_prefill_decoder(spec, device, max_batch)
         if self.decoder.route_name == "torch-reference" and device.type == "cuda":
             logger.warning_once(
                 "TRTLLM_MLA: no GPU decode kernel serves this model on this GPU; decode runs "
                 "on the slow pure-torch reference route. Why:\n%s",
                 self.decoder.choice.explain(),
             )
+        small = self.small_prefill_decoder
         logger.info_once(
-            "TRTLLM_MLA backend in use: decode route %s (%s); prefill %s.",
+            "TRTLLM_MLA backend in use: decode route %s (%s); prefill %s%s.",
             self.decoder.route_name,
             self.decoder.choice.kernel,
             self._prefill_backend.get_name(),
+            "" if small is None else (
+                f", short prefills (up to {self.reorder_batch_threshold} new tokens) on "
+                f"decode route {small.route_name}"),
         )
+
+    def _small_prefill_decoder(
+        self, spec: DecodeSpec, device: torch.device, max_batch: int
+    ) -> MLADecoder | None:
+        """A decoder for steps whose decode part carries short prefills, where a route
+        serves them (``ops.small_prefill_choice``: vLLM's FA3 MLA kernel on SM90 with a
+        16-bit cache). Raising ``reorder_batch_threshold`` to its query length makes vLLM
+        send requests with that many new tokens or fewer here instead of through the
+        prefill path, as vLLM's FLASH_ATTN_MLA does (its threshold: 512). Such steps are
+        never replayed from a full CUDA graph (not uniform), so this decoder plans eagerly
+        with the step's lengths. Not built when a route is forced
+        (``TRTLLM_MLA_DECODE_ROUTE``): everything then decodes on that route."""
+        if device.type != "cuda" or forced_route() is not None:
+            return None
+        choice = small_prefill_choice(spec, platform_of(device))
+        if choice is None:
+            return None
+        wide = small_prefill_spec(spec)
+        decoder = MLADecoder(wide, device, max_batch, route=choice.name)
+        self.reorder_batch_threshold = max(self.reorder_batch_threshold, wide.max_q_len)
+        return decoder
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         # vLLM's host copy of the lengths (exact outside async speculative decoding) lets the
@@ -123,13 +157,21 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
     ) -> TrtllmMLADecodeMetadata:
         num_decodes = seq_lens_device.shape[0]
         single_token = num_decode_tokens == num_decodes
+        decoder = self.decoder
+        if not single_token:
+            # vLLM passes min(the step's longest query, reorder_batch_threshold): with short
+            # prefills in the step that bound exceeds the decode part's own longest query.
+            query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+            max_query_len = int(query_lens.max())
+            small = self.small_prefill_decoder
+            if small is not None and max_query_len > decoder.spec.max_q_len:
+                decoder = small
+            self._note_first_real_step(decoder, num_decodes, num_decode_tokens, max_query_len)
         host_lens = self._seq_lens_host
         if host_lens is not None:
             host_lens = host_lens[:num_decodes] if host_lens.shape[0] >= num_decodes else None
         exact = host_lens is not None and self._host_lens_exact
-        if not single_token and not self._multi_token_decode_seen:
-            self._note_multi_token_decode(num_decodes, num_decode_tokens, max_query_len)
-        self.decoder.plan(
+        decoder.plan(
             DecodeBatch(
                 block_table=block_table_tensor,
                 seq_lens=seq_lens_device,
@@ -149,23 +191,36 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            decoder=self.decoder,
+            decoder=decoder,
         )
 
-    def _note_multi_token_decode(
-        self, num_decodes: int, num_decode_tokens: int, max_query_len: int
+    def _note_first_real_step(
+        self, decoder: MLADecoder, num_decodes: int, num_decode_tokens: int,
+        max_query_len: int,
     ) -> None:
-        """Log, once per metadata builder, the first real decode step with several query
-        tokens per request (speculative decoding: verification, or an MTP draft pass).
+        """Log, once per metadata builder and kind, the first real decode step with several
+        query tokens per request: speculative decoding (verification, or an MTP draft
+        pass) on the step decoder, short prefills on ``small_prefill_decoder``.
 
         vLLM's warm-up and CUDA-graph capture runs build the same metadata with every slot
         set to -1 (no KV write); a real step writes at least one slot. Reading the slots may
-        synchronise the device, so this runs only until the first real such step.
+        synchronise the device, so this runs only until the first real step of each kind.
         """
+        small = decoder is self.small_prefill_decoder
+        if self._small_prefill_seen if small else self._multi_token_decode_seen:
+            return
         slots = self._slot_mapping
         if slots is None or (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
             return
         if not bool((slots[:num_decode_tokens] >= 0).any()):
+            return
+        if small:
+            self._small_prefill_seen = True
+            logger.info(
+                "TRTLLM_MLA short prefills on decode route %s: %d requests, %d query "
+                "tokens, up to %d per request.",
+                decoder.route_name, num_decodes, num_decode_tokens, max_query_len,
+            )
             return
         self._multi_token_decode_seen = True
         logger.info(

@@ -121,8 +121,8 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
         attn_metadata: TrtllmMLAMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
+        # A 16-bit query arrives as its (latent, rope) parts: the decoder concatenates them
+        # only for routes that cannot read them apart.
         # An FP8 query was quantised by vLLM with q_scale; a wider one is in real values.
         # MLA's single latent cache is quantised with k_scale for both its K and V roles (as
         # in vLLM's FlashMLA, FlashInfer and Triton MLA backends).

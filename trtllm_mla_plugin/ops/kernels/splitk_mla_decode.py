@@ -85,8 +85,8 @@ class SplitKConfig:
         fuse_max_splits: requests cut into at most this many pieces are merged inside the
             decode grid, by the CTA that finishes the last piece, instead of by the combine
             kernel after the whole grid (a separate build, ``SPLITK_FUSE_MAX_SPLITS``); 0:
-            every cut request by the combine kernel. Checked in the CPU emulator only (not
-            yet run on a GPU), so not the default.
+            every cut request by the combine kernel. Correct on the H200 but slower on
+            every shape measured (run 55, docs/benchmarks.md), so not the default.
     """
 
     stages: int | None = None

@@ -123,6 +123,10 @@ class DecodeRoute(ABC):
     #: ``run`` accepts ``out=None`` and then returns a tensor of its own (kernels that
     #: allocate their output save a copy).
     own_output: ClassVar[bool] = False
+    #: ``run`` also takes the query as its two parts ``(latent [num_tokens, heads, Dc],
+    #: rope [num_tokens, heads, Dr])``, as vLLM hands them over for 16-bit caches; other
+    #: routes get them concatenated by the decoder (one copy of the query per layer).
+    takes_split_query: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -156,7 +160,8 @@ class DecodeRoute(ABC):
     def run(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
     ) -> torch.Tensor:
-        """Attend ``query`` ``[num_tokens, heads, Dc + Dr]`` over ``kv_cache``
+        """Attend ``query`` ``[num_tokens, heads, Dc + Dr]`` (or its two parts, for routes
+        with ``takes_split_query``) over ``kv_cache``
         ``[num_blocks, block_size, Dc + Dr]`` for the planned batch into ``out``
         ``[num_tokens, heads, Dc]``; returns ``out`` (``out`` is ``None`` only for routes
         with ``own_output``, which then return their own ``[num_tokens, heads, Dc]``)."""

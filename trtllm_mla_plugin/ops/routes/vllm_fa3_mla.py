@@ -55,6 +55,8 @@ def fa3_scheduler_metadata_size(max_batch_size: int) -> int:
 class VllmFA3MLARoute(DecodeRoute):
     name = "vllm-fa3-mla"
     kernel = "FlashAttention-3 MLA (vLLM bundle) flash_attn_varlen_func"
+    # The kernel reads the latent and rope parts of the query as two tensors (q_v and q).
+    takes_split_query = True
 
     @classmethod
     def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
@@ -126,7 +128,7 @@ class VllmFA3MLARoute(DecodeRoute):
 
     def run(
         self,
-        query: torch.Tensor,
+        query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         out: torch.Tensor,
         scales: KVScales,
@@ -134,12 +136,16 @@ class VllmFA3MLARoute(DecodeRoute):
         check_unit_scales(self.spec, scales)
         batch, spec = self._batch, self.spec
         dc = spec.kv_lora_rank
+        if isinstance(query, tuple):
+            q_latent, q_rope = query
+        else:
+            q_latent, q_rope = query[..., :dc], query[..., dc:]
         cache = kv_cache.unsqueeze(-2)
         self._fa.flash_attn_varlen_func(
-            q=query[..., dc:],
+            q=q_rope,
             k=cache[..., dc:],
             v=cache[..., :dc],
-            q_v=query[..., :dc],
+            q_v=q_latent,
             max_seqlen_q=batch.max_q_len,
             cu_seqlens_q=self._cu,
             max_seqlen_k=batch.max_seq_len,

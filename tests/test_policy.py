@@ -558,3 +558,12 @@ def test_short_prefills_need_vllm_fa3(kernels_present, monkeypatch):
     monkeypatch.setattr("trtllm_mla_plugin.ops.routes.vllm_fa3_mla.module_available",
                         lambda name: False)
     assert decoder_mod.small_prefill_choice(spec(16), H200) is None
+
+
+def test_doctor_says_where_short_prefills_run(kernels_present):
+    from trtllm_mla_plugin import doctor
+
+    assert doctor.short_prefill_status(spec(16), H200).endswith(
+        "decode route vllm-fa3-mla, as vLLM's FLASH_ATTN_MLA runs them")
+    assert doctor.short_prefill_status(spec(16, kv=FP8), H200).endswith("vLLM's prefill path")
+    assert doctor.short_prefill_status(spec(16), B200).endswith("vLLM's prefill path")

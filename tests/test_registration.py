@@ -283,3 +283,4 @@ def test_doctor_reports_the_cpu_engine_and_its_routes():
     assert "entry point: vllm.general_plugins:trtllm_mla seen by vLLM" in out
     assert "torch-reference" in out and "status: OK" in out
     assert "split-KV kernel" not in out
+    assert "short prefills" not in out  # a GPU line

@@ -47,6 +47,17 @@ def _prefill_route(platform) -> str:
     )
 
 
+def short_prefill_status(spec, platform) -> str:
+    """Where requests with few new tokens run for ``spec``: on a decode route (SM90, 16-bit
+    cache, vLLM's FA3 MLA present), or vLLM's prefill path."""
+    from .ops import small_prefill_choice
+
+    small = small_prefill_choice(spec, platform)
+    where = ("vLLM's prefill path" if small is None
+             else f"decode route {small.name}, as vLLM's FLASH_ATTN_MLA runs them")
+    return f"short prefills (up to 512 new tokens): {where}"
+
+
 def splitk_kernel_status(platform) -> str | None:
     """The report's line on the plugin's CUDA split-KV kernel (SM90 GPUs only)."""
     from .ops.kernels.nvcc_build import cached_cubin, find_nvcc
@@ -142,6 +153,8 @@ def report() -> tuple[list[str], bool]:
     if splitk is not None:
         lines.append(splitk)
     lines.append(f"prefill: {_prefill_route(platform)}")
+    if on_gpu:
+        lines.append(short_prefill_status(spec, platform))
     lines.append("status: OK" if ok else "status: the plugin cannot work here (see above)")
     return lines, ok
 

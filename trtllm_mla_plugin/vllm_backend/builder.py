@@ -202,9 +202,11 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         query tokens per request: speculative decoding (verification, or an MTP draft
         pass) on the step decoder, short prefills on ``small_prefill_decoder``.
 
-        vLLM's warm-up and CUDA-graph capture runs build the same metadata with every slot
-        set to -1 (no KV write); a real step writes at least one slot. Reading the slots may
-        synchronise the device, so this runs only until the first real step of each kind.
+        Steps whose slots are all -1 (no KV write: vLLM's CUDA-graph capture runs) are not
+        counted. vLLM's start-up may still run one batch that writes slots (run 57: 64
+        requests of 2 tokens, logged as short prefills before any request arrived), so the
+        line says the path is live, not that a request took it. Reading the slots may
+        synchronise the device, so this runs only until the first such step of each kind.
         """
         small = decoder is self.small_prefill_decoder
         if self._small_prefill_seen if small else self._multi_token_decode_seen:

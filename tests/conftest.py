@@ -21,6 +21,20 @@ AMX_MLA_CLASSES = f"{_VLLM_MLA}.amx_mla.AMXMLABackend/{_VLLM_MLA}.amx_mla.AMXMLA
 TRTLLM_MLA_CLASSES = ("trtllm_mla_plugin.vllm_backend.backend.TrtllmMLABackend/"
                       "trtllm_mla_plugin.vllm_backend.impl.TrtllmMLAImpl")
 
+#: Forces the decoder's short-prefill route (``vllm_backend.decode_spec``) in an engine.
+SHORT_PREFILLS_ON_REFERENCE = {"TRTLLM_MLA_SHORT_PREFILL_ROUTE": "torch-reference"}
+
+
+def short_prefills_ran(log: str) -> bool:
+    """Whether the plugin's log shows a real step on the short-prefill path: one with more
+    than two query tokens in some request (longer than the warm-up batch vLLM may run on
+    the GPU; the builder logs each step that is the widest so far)."""
+    import re
+
+    found = re.findall(r"TRTLLM_MLA short prefills on decode route \S+: \d+ requests, \d+ "
+                       r"query tokens, up to (\d+) per request", log)
+    return any(int(n) > 2 for n in found)
+
 
 def vllm_default_cpu_mla_classes() -> str:
     """What vLLM's CPU platform runs for an MLA model when no backend is selected: AMX_MLA

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import CPU_MLA_CLASSES, TRTLLM_MLA_CLASSES
+from conftest import (
+    CPU_MLA_CLASSES,
+    SHORT_PREFILLS_ON_REFERENCE,
+    TRTLLM_MLA_CLASSES,
+    short_prefills_ran,
+)
 from generation_compare import compare_generations
 
 pytestmark = pytest.mark.engine
@@ -29,15 +34,27 @@ MAX_TOKENS = [60, 1, 45, 7, 53, 12, 60, 2, 38, 50, 9, 60, 5, 42, 36, 60, 3, 48, 
 SMALL_KV_BYTES = 66 * 16 * 576 * 4 * 2
 
 
-def test_mixed_concurrent_requests_with_preemption_match_vllm(engine):
+@pytest.mark.parametrize("short_prefills", [False, True],
+                         ids=["prefill-path", "short-prefills-on-decode-route"])
+def test_mixed_concurrent_requests_with_preemption_match_vllm(engine, short_prefills):
+    """``short_prefills``: every prompt here (<= 150 tokens) and every recomputation after a
+    preemption goes through the decoder's short-prefill path (forced to the reference route
+    on the CPU, as ``TRTLLM_MLA_SHORT_PREFILL_ROUTE`` allows; on SM90 vLLM's FA3 kernel
+    serves it) instead of vLLM's prefill path."""
+    select = {"VLLM_ATTENTION_BACKEND": "TRTLLM_MLA"}
+    if short_prefills:
+        select.update(SHORT_PREFILLS_ON_REFERENCE)
     args = ("--prompt-lens", ",".join(map(str, LENS)),
             "--max-tokens", ",".join(map(str, MAX_TOKENS)),
             "--kv-cache-bytes", str(SMALL_KV_BYTES), "--max-num-seqs", "16")
     ref = engine(*args, "--attention-backend", "CPU_MLA")
-    ours = engine(*args, env={"VLLM_ATTENTION_BACKEND": "TRTLLM_MLA"})
+    ours = engine(*args, env=select)
     assert ref.returncode == 0, ref.log[-3000:]
     assert ours.returncode == 0, ours.log[-3000:]
     assert "TRTLLM_MLA backend in use" in ours.log
+    configured = "short prefills (up to 512 new tokens) on decode route torch-reference"
+    assert (configured in ours.log) is short_prefills
+    assert short_prefills_ran(ours.log) is short_prefills, ours.log[-3000:]
     assert ref.result["attention_classes"] == [[CPU_MLA_CLASSES]]
     assert ours.result["attention_classes"] == [[TRTLLM_MLA_CLASSES]]
     assert ours.result["engine_config"] == ref.result["engine_config"]

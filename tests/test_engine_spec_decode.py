@@ -122,3 +122,23 @@ def test_mtp_speculation_matches_vllms_cpu_mla(runs):
     assert "Using CPU_MLA backend" in ref.log and IN_USE not in ref.log
     assert ref.result["spec_decode"]["num_accepted_tokens"] > 0
     assert compare_generations(ours.result, ref.result) == []
+
+
+def test_mtp_with_short_prefills_on_the_decode_path(mtp_model, tmp_path, runs):
+    """MTP with 3 drafts while prompts of up to 512 tokens take the decoder's short-prefill
+    path (``TRTLLM_MLA_SHORT_PREFILL_ROUTE``: on the CPU the reference route stands in for
+    vLLM's FA3 kernel, which serves it on SM90): vLLM then classes those requests as decodes
+    (reorder threshold 512), the builder gives their steps the wide decoder and keeps
+    verification steps on the step decoder; greedy output unchanged."""
+    from conftest import SHORT_PREFILLS_ON_REFERENCE, run_engine, short_prefills_ran
+
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    run = run_engine(mtp_model, tmp_path, "--max-tokens", str(MAX_TOKENS),
+                     "--speculative-config", json.dumps(spec),
+                     env={**SELECT, **SHORT_PREFILLS_ON_REFERENCE})
+    assert run.returncode == 0, run.log[-3000:]
+    assert ("short prefills (up to 512 new tokens) on decode route torch-reference"
+            in run.log)
+    assert short_prefills_ran(run.log), run.log[-3000:]
+    _check_speculation_ran(run, 3)
+    assert compare_generations(run.result, runs(None).result) == []

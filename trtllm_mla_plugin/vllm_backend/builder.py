@@ -26,7 +26,7 @@ from ..ops import (
     small_prefill_choice,
     small_prefill_spec,
 )
-from .decode_spec import forced_route, model_decode_spec
+from .decode_spec import forced_route, forced_short_prefill_route, model_decode_spec
 
 logger = init_logger(logger_name(__name__))
 
@@ -86,10 +86,11 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             vllm_config.speculative_config is None or sched.async_scheduling is False
         )
         self._slot_mapping: torch.Tensor | None = None
-        # Set once a real step (not a warm-up or CUDA-graph capture run) has given decode
-        # several query tokens per request, or short prefills; see _note_first_real_step.
+        # What real steps (not CUDA-graph capture runs) have shown the log so far: decode
+        # with several query tokens per request, the widest short prefill; see
+        # _log_multi_token_step.
         self._multi_token_decode_seen = False
-        self._small_prefill_seen = False
+        self._widest_small_prefill = 0
         max_batch = vllm_config.scheduler_config.max_num_seqs
         cudagraph_mode = self.compilation_config.cudagraph_mode
         full_graphs = device.type == "cuda" and cudagraph_mode.has_full_cudagraphs()
@@ -125,15 +126,19 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         send requests with that many new tokens or fewer here instead of through the
         prefill path, as vLLM's FLASH_ATTN_MLA does (its threshold: 512). Such steps are
         never replayed from a full CUDA graph (not uniform), so this decoder plans eagerly
-        with the step's lengths. Not built when a route is forced
-        (``TRTLLM_MLA_DECODE_ROUTE``): everything then decodes on that route."""
-        if device.type != "cuda" or forced_route() is not None:
-            return None
-        choice = small_prefill_choice(spec, platform_of(device))
-        if choice is None:
-            return None
+        with the step's lengths. Not built when a decode route is forced
+        (``TRTLLM_MLA_DECODE_ROUTE``): everything then decodes on that route, unless
+        ``TRTLLM_MLA_SHORT_PREFILL_ROUTE`` names this decoder's route (on any device)."""
+        name = forced_short_prefill_route()
+        if name is None:
+            if device.type != "cuda" or forced_route() is not None:
+                return None
+            choice = small_prefill_choice(spec, platform_of(device))
+            if choice is None:
+                return None
+            name = choice.name
         wide = small_prefill_spec(spec)
-        decoder = MLADecoder(wide, device, max_batch, route=choice.name)
+        decoder = MLADecoder(wide, device, max_batch, route=name)
         self.reorder_batch_threshold = max(self.reorder_batch_threshold, wide.max_q_len)
         return decoder
 
@@ -166,7 +171,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             small = self.small_prefill_decoder
             if small is not None and max_query_len > decoder.spec.max_q_len:
                 decoder = small
-            self._note_first_real_step(decoder, num_decodes, num_decode_tokens, max_query_len)
+            self._log_multi_token_step(decoder, num_decodes, num_decode_tokens, max_query_len)
         host_lens = self._seq_lens_host
         if host_lens is not None:
             host_lens = host_lens[:num_decodes] if host_lens.shape[0] >= num_decodes else None
@@ -194,22 +199,23 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             decoder=decoder,
         )
 
-    def _note_first_real_step(
+    def _log_multi_token_step(
         self, decoder: MLADecoder, num_decodes: int, num_decode_tokens: int,
         max_query_len: int,
     ) -> None:
-        """Log, once per metadata builder and kind, the first real decode step with several
-        query tokens per request: speculative decoding (verification, or an MTP draft
-        pass) on the step decoder, short prefills on ``small_prefill_decoder``.
+        """Log the first real decode step with several query tokens per request on the step
+        decoder (speculative decoding: verification, or an MTP draft pass), once per
+        builder; on ``small_prefill_decoder``, each real step whose longest request is
+        longer than on any earlier one (a few lines: records of the step's widest query).
 
         Steps whose slots are all -1 (no KV write: vLLM's CUDA-graph capture runs) are not
         counted. vLLM's start-up may still run one batch that writes slots (run 57: 64
-        requests of 2 tokens, logged as short prefills before any request arrived), so the
-        line says the path is live, not that a request took it. Reading the slots may
-        synchronise the device, so this runs only until the first such step of each kind.
+        requests of 2 tokens, logged as short prefills before any request arrived). Reading
+        the slots may synchronise the device, so it happens only on steps that would log.
         """
         small = decoder is self.small_prefill_decoder
-        if self._small_prefill_seen if small else self._multi_token_decode_seen:
+        if (max_query_len <= self._widest_small_prefill if small
+                else self._multi_token_decode_seen):
             return
         slots = self._slot_mapping
         if slots is None or (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -217,7 +223,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         if not bool((slots[:num_decode_tokens] >= 0).any()):
             return
         if small:
-            self._small_prefill_seen = True
+            self._widest_small_prefill = max_query_len
             logger.info(
                 "TRTLLM_MLA short prefills on decode route %s: %d requests, %d query "
                 "tokens, up to %d per request.",

@@ -16,8 +16,17 @@ from ..ops import DecodeSpec, engine_query_dtype, platform_of
 ROUTE_ENV_VAR = "TRTLLM_MLA_DECODE_ROUTE"
 
 
+#: Force the route of decode batches that carry short prefills (tests: the CPU engine runs
+#: that path on the reference route); unset = ``ops.small_prefill_choice``.
+SHORT_PREFILL_ROUTE_ENV_VAR = "TRTLLM_MLA_SHORT_PREFILL_ROUTE"
+
+
 def forced_route() -> str | None:
     return os.environ.get(ROUTE_ENV_VAR) or None
+
+
+def forced_short_prefill_route() -> str | None:
+    return os.environ.get(SHORT_PREFILL_ROUTE_ENV_VAR) or None
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

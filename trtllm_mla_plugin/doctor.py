@@ -50,12 +50,12 @@ def _prefill_route(platform) -> str:
 def short_prefill_status(spec, platform) -> str:
     """Where requests with few new tokens run for ``spec``: on a decode route (SM90, 16-bit
     cache, vLLM's FA3 MLA present), or vLLM's prefill path."""
-    from .ops import small_prefill_choice
+    from .ops import small_prefill_choice, small_prefill_spec
 
     small = small_prefill_choice(spec, platform)
     where = ("vLLM's prefill path" if small is None
              else f"decode route {small.name}, as vLLM's FLASH_ATTN_MLA runs them")
-    return f"short prefills (up to 512 new tokens): {where}"
+    return f"short prefills (up to {small_prefill_spec(spec).max_q_len} new tokens): {where}"
 
 
 def splitk_kernel_status(platform) -> str | None:

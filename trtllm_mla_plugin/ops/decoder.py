@@ -88,10 +88,10 @@ def small_prefill_choice(spec: DecodeSpec, platform: Platform) -> RouteChoice | 
     ``None`` where none is eligible (an engine then keeps those requests on its prefill
     path). Eligibility is checked on ``small_prefill_spec(spec)``."""
     wide = small_prefill_spec(spec)
-    for name in policy.small_prefill_rank(wide, platform):
-        if ROUTES[name].unsupported_reason(wide, platform) is None:
-            return RouteChoice(name, ROUTES[name].kernel, ())
-    return None
+    try:
+        return _first_eligible(policy.small_prefill_rank(wide, platform), wide, platform)
+    except ValueError:  # no route of the ranking serves it (or the ranking is empty)
+        return None
 
 
 def small_prefill_spec(spec: DecodeSpec) -> DecodeSpec:

@@ -113,10 +113,8 @@ def check_run_inputs(
             )
         if part.device != kv_cache.device:
             raise ValueError(f"query on {part.device} but kv_cache on {kv_cache.device}")
-        if part.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-            raise ValueError(
-                "query and kv_cache need a contiguous last dimension; call .contiguous()"
-            )
+    if any(part.stride(-1) != 1 for part in parts) or kv_cache.stride(-1) != 1:
+        raise ValueError("query and kv_cache need a contiguous last dimension; call .contiguous()")
     if out is not None and out.shape != (batch.num_tokens, spec.num_heads, spec.kv_lora_rank):
         raise ValueError(
             f"out must be [{batch.num_tokens}, {spec.num_heads}, {spec.kv_lora_rank}], "

@@ -100,6 +100,10 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             spec, device, max_batch, route=forced_route(), cuda_graph=full_graphs
         )
         self.small_prefill_decoder = self._small_prefill_decoder(spec, device, max_batch)
+        if self.small_prefill_decoder is not None:
+            # vLLM now classes requests with this many new tokens or fewer as decodes.
+            self.reorder_batch_threshold = max(self.reorder_batch_threshold,
+                                               self.small_prefill_decoder.spec.max_q_len)
         if self.decoder.route_name == "torch-reference" and device.type == "cuda":
             logger.warning_once(
                 "TRTLLM_MLA: no GPU decode kernel serves this model on this GPU; decode runs "
@@ -122,8 +126,8 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
     ) -> MLADecoder | None:
         """A decoder for steps whose decode part carries short prefills, where a route
         serves them (``ops.small_prefill_choice``: vLLM's FA3 MLA kernel on SM90 with a
-        16-bit cache). Raising ``reorder_batch_threshold`` to its query length makes vLLM
-        send requests with that many new tokens or fewer here instead of through the
+        16-bit cache). With ``reorder_batch_threshold`` raised to its query length, vLLM
+        sends requests with that many new tokens or fewer here instead of through the
         prefill path, as vLLM's FLASH_ATTN_MLA does (its threshold: 512). Such steps are
         never replayed from a full CUDA graph (not uniform), so this decoder plans eagerly
         with the step's lengths. Not built when a decode route is forced
@@ -137,10 +141,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             if choice is None:
                 return None
             name = choice.name
-        wide = small_prefill_spec(spec)
-        decoder = MLADecoder(wide, device, max_batch, route=name)
-        self.reorder_batch_threshold = max(self.reorder_batch_threshold, wide.max_q_len)
-        return decoder
+        return MLADecoder(small_prefill_spec(spec), device, max_batch, route=name)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         # vLLM's host copy of the lengths (exact outside async speculative decoding) lets the
@@ -164,13 +165,13 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         single_token = num_decode_tokens == num_decodes
         decoder = self.decoder
         if not single_token:
-            # vLLM passes min(the step's longest query, reorder_batch_threshold): with short
-            # prefills in the step that bound exceeds the decode part's own longest query.
-            query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-            max_query_len = int(query_lens.max())
             small = self.small_prefill_decoder
-            if small is not None and max_query_len > decoder.spec.max_q_len:
-                decoder = small
+            if small is not None:
+                # vLLM passes min(the step's longest query, reorder_batch_threshold): with
+                # short prefills in the step, that bound exceeds the decode part's own.
+                max_query_len = int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max())
+                if max_query_len > decoder.spec.max_q_len:
+                    decoder = small
             self._log_multi_token_step(decoder, num_decodes, num_decode_tokens, max_query_len)
         host_lens = self._seq_lens_host
         if host_lens is not None:
@@ -214,8 +215,10 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         the slots may synchronise the device, so it happens only on steps that would log.
         """
         small = decoder is self.small_prefill_decoder
-        if (max_query_len <= self._widest_small_prefill if small
-                else self._multi_token_decode_seen):
+        if small:
+            if max_query_len <= self._widest_small_prefill:
+                return
+        elif self._multi_token_decode_seen:
             return
         slots = self._slot_mapping
         if slots is None or (slots.is_cuda and torch.cuda.is_current_stream_capturing()):

@@ -31,9 +31,9 @@ DeepSeek-V3's attention per rank (latent 512 + rope 64, q_lora 1536 replaced by 
 and a small MLP so that attention is a large share of a decode step (reported).
 
 Method, per (heads, KV dtype, backend) one engine in its own process (CUDA graphs for decode
-batches, no torch.compile so that engine start stays short; block size 64; prefix caching
-on), per batch size B: B prompts with lengths uniform in [--min-prompt, --max-prompt] (seed
-fixed, the same for every backend), then
+batches, or none with ``--eager``; no torch.compile so that engine start stays short; block
+size 64; prefix caching on), per batch size B: B prompts with lengths uniform in
+[--min-prompt, --max-prompt] (seed fixed, the same for every backend), then
 
 1. ``generate(max_tokens=1)``: prefills every prompt (and caches its KV);
 2. ``generate(max_tokens=1 + S)`` and ``generate(max_tokens=1 + N)`` (S = --short-len):
@@ -80,10 +80,11 @@ def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
 
 
 def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None = None,
-                       block: int = 64) -> tuple[str, float]:
+                       block: int = 64, eager: bool = False) -> tuple[str, float]:
     """The plugin's decode of one layer for ``lens`` (as under CUDA graphs: batch-size-only
-    route choice unless ``route`` forces one, FP8 query where vLLM would hand one over),
-    graph-timed."""
+    route choice unless ``route`` forces one; ``eager``: chosen with the lengths, as an
+    ``enforce_eager`` engine's decoder does, and timed launch by launch; FP8 query where
+    vLLM would hand one over), graph-timed; the kernels only (no ``plan``)."""
     from dataclasses import replace
 
     import torch
@@ -107,11 +108,16 @@ def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None =
         start += n
     cache = torch.randn(sum(need), block, 576, device=device).to(spec.kv_dtype)
     query = torch.randn(b, heads, 576, device=device).to(spec.q_dtype)
-    dec = MLADecoder(spec, device, b, route=route, cuda_graph=True)
-    dec.plan(DecodeBatch(table.to(device), torch.tensor(lens, dtype=torch.int32,
-                                                        device=device), max(lens)))
+    dec = MLADecoder(spec, device, b, route=route, cuda_graph=not eager)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    dec.plan(DecodeBatch(table.to(device), seq_lens.to(device), max(lens),
+                         kv_tokens=sum(lens), seq_lens_host=seq_lens))
     dec.run(query, cache)
     torch.cuda.synchronize()
+    if eager:  # launched one by one, as the engine does
+        ms = triton.testing.do_bench(lambda: dec.run(query, cache), warmup=10, rep=60,
+                                     return_mode="median")
+        return dec.route.name, ms * 1000.0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(10):
@@ -136,16 +142,18 @@ def timed_generate(llm, prompts: list, n: int) -> float:
 def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture: list[int],
              gpu_memory: float = 0.6):
     """The engine every run of this file times: CUDA graphs for decode batches of the sizes
-    in ``capture``, no torch.compile, block 64, prefix caching."""
+    in ``capture`` (``--eager``: none, vLLM's ``enforce_eager``), no torch.compile, block
+    64, prefix caching."""
     from vllm import LLM
 
+    graphs = ({"enforce_eager": True} if args.eager else {"compilation_config": {
+        "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": sorted(set(capture))}})
     return LLM(
         model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
         attention_backend=backend, kv_cache_dtype=args.kv, block_size=64,
         max_model_len=args.max_prompt + args.output_len + 8, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory,
-        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                            "cudagraph_capture_sizes": sorted(set(capture))},
+        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory, **graphs,
     )
 
 
@@ -236,7 +244,8 @@ def worker(args: argparse.Namespace) -> None:
         if backend == "TRTLLM_MLA":
             lens = prompt_lens(int(row["batch"]), args.min_prompt, args.max_prompt, args.seed)
             lens = [n + args.output_len // 2 for n in lens]
-            served_by, us = attention_layer_us(args.heads, args.kv, lens, route or None)
+            served_by, us = attention_layer_us(args.heads, args.kv, lens, route or None,
+                                               eager=args.eager)
             share = us * args.layers / (float(row["step_ms"]) * 1e3)
             row.update(route=served_by, attn_layer_us=f"{us:.1f}", attn_share=f"{share:.2f}")
     Path(args.result).write_text(json.dumps(rows))
@@ -263,7 +272,7 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
            "--short-len", str(args.short_len), "--repeats", str(args.repeats),
            "--min-prompt", str(args.min_prompt), "--max-prompt",
            str(args.max_prompt), "--seed", str(args.seed), "--layers",
-           str(args.layers), "--result", str(result)]
+           str(args.layers), "--result", str(result), *(["--eager"] if args.eager else [])]
     log = args.out / f"log-{tag}.txt"
     with open(log, "w") as f:
         # Its own session, so that the engine processes it leaves behind (its worker exits
@@ -331,6 +340,9 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--min-prompt", type=int, default=1024)
     ap.add_argument("--max-prompt", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eager", action="store_true",
+                    help="engines with enforce_eager (no CUDA graphs): the plugin's decoder "
+                         "then sees each step's lengths and ranks routes per batch")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)

@@ -249,14 +249,16 @@ def main() -> None:
     summaries = []
     for kv in args.kv.split(","):
         for backend in args.backends.split(","):
-            tag = f"h{args.heads}-{kv}-b{args.batch}-{backend.replace('@', '-')}"
+            tag = (f"h{args.heads}-{kv}-b{args.batch}{'-eager' if args.eager else ''}-"
+                   f"{backend.replace('@', '-')}")
             result = args.out / f"profile-{tag}.json"
             cmd = [sys.executable, __file__, "--worker", "--model", str(model),
                    "--heads", str(args.heads), "--kv", kv, "--backend", backend,
                    "--batch", str(args.batch), "--steps", str(args.steps),
                    "--short-len", str(args.short_len), "--layers", str(args.layers),
                    "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
-                   "--seed", str(args.seed), "--result", str(result)]
+                   "--seed", str(args.seed), "--result", str(result),
+                   *(["--eager"] if args.eager else [])]
             t0 = time.time()
             with open(args.out / f"log-{tag}.txt", "w") as log:
                 try:

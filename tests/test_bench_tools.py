@@ -180,7 +180,7 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
 
     monkeypatch.delenv(ROUTE_ENV_VAR, raising=False)
     monkeypatch.setattr(bench_engine, "make_llm", make_llm)
-    monkeypatch.setattr(bench_engine, "attention_layer_us", lambda *a: ("flashmla", 10.0))
+    monkeypatch.setattr(bench_engine, "attention_layer_us", lambda *a, **k: ("flashmla", 10.0))
 
     def stop(code):
         raise SystemExit(code)
@@ -189,7 +189,7 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
     args = type("A", (), dict(
         backend="TRTLLM_MLA@flashmla,FLASHMLA", batches="2", heads=16, kv="auto",
         output_len=6, short_len=2, repeats=2, min_prompt=4, max_prompt=8, seed=0, layers=2,
-        result=str(tmp_path / "r.json")))()
+        eager=False, result=str(tmp_path / "r.json")))()
     with pytest.raises(SystemExit):
         bench_engine.worker(args)
     assert started == [("TRTLLM_MLA", "flashmla", 0.45), ("FLASHMLA", None, 0.45)]
@@ -233,7 +233,7 @@ def test_engine_processes_left_behind_by_a_worker_are_killed(monkeypatch, tmp_pa
     monkeypatch.setattr(bench_engine, "wait_for_free_gpu", lambda: True)
     args = type("A", (), dict(out=tmp_path, batches="2", output_len=6, short_len=2,
                               repeats=1, min_prompt=4, max_prompt=8, seed=0, layers=2,
-                              timeout=60))()
+                              timeout=60, eager=False))()
     rows = bench_engine.engine_rows(args, tmp_path / "model", 16, "auto", "TRTLLM_MLA", 0)
     assert rows == [{"status": "ok", "round": 0}]
     pid = int((tmp_path / "child.pid").read_text())
@@ -268,7 +268,8 @@ def test_a_bench_stopped_from_outside_kills_its_running_engines(tmp_path):
         bench_engine.wait_for_free_gpu = lambda: True
         args = type("A", (), dict(out=__import__("pathlib").Path({str(tmp_path)!r}),
                                   batches="2", output_len=6, short_len=2, repeats=1,
-                                  min_prompt=4, max_prompt=8, seed=0, layers=2, timeout=100))()
+                                  min_prompt=4, max_prompt=8, seed=0, layers=2, timeout=100,
+                                  eager=False))()
         bench_engine.stop_on_sigterm()
         bench_engine.engine_rows(args, "model", 16, "auto", "TRTLLM_MLA", 0)
     """))
@@ -372,3 +373,20 @@ def test_case_lengths_kinds():
     ragged = bench_decode.case_lengths("r0.50", 4096, 200, 2, g)
     assert len(ragged) == 200 and min(ragged) >= 2048 and max(ragged) <= 4096
     assert min(bench_decode.case_lengths("r", 64, 200, 4, g)) >= 4  # never below q_len
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_engines_run_with_cuda_graphs_unless_eager(monkeypatch, eager):
+    """``--eager`` starts vLLM with ``enforce_eager`` and no capture sizes; otherwise
+    decode batches of the timed sizes are captured."""
+    vllm = pytest.importorskip("vllm")
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.update(kw))
+    args = type("A", (), dict(model="m", kv="auto", max_prompt=64, output_len=8,
+                              eager=eager))()
+    bench_engine.make_llm(args, "TRTLLM_MLA", 32, [32, 8])
+    if eager:
+        assert seen["enforce_eager"] is True and "compilation_config" not in seen
+    else:
+        assert "enforce_eager" not in seen
+        assert seen["compilation_config"]["cudagraph_capture_sizes"] == [8, 32]

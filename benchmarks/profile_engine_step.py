@@ -92,14 +92,15 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(trace: dict, top: int = 15) -> dict:
+def summarize(trace: dict, top: int = 15, eager: bool = False) -> dict:
     """Per-decode-step figures of a Chrome trace of several engine steps.
 
     Decode steps are the engine-core steps that launch a CUDA graph (the recompute prefill
-    before them runs eagerly). Host scopes: the median over decode steps of each scope's
-    time within a step. CUDA runtime calls and GPU work: totals over the decode steps'
-    span divided by their number; GPU busy time is the union of kernel, copy and memset
-    intervals, so concurrent streams count once.
+    before them runs eagerly); ``eager`` (an ``enforce_eager`` engine, which launches no
+    graph): every step after the first, the recompute prefill. Host scopes: the median
+    over decode steps of each scope's time within a step. CUDA runtime calls and GPU work:
+    totals over the decode steps' span divided by their number; GPU busy time is the union
+    of kernel, copy and memset intervals, so concurrent streams count once.
     """
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events
@@ -107,9 +108,14 @@ def summarize(trace: dict, top: int = 15) -> dict:
                    key=lambda e: e["ts"])
     launches = [e["ts"] for e in events
                 if e.get("cat") == "cuda_runtime" and e["name"] == "cudaGraphLaunch"]
-    decode = [s for s in steps if any(s["ts"] <= t <= s["ts"] + s["dur"] for t in launches)]
+    if eager:
+        decode = steps[1:]
+    else:
+        decode = [s for s in steps
+                  if any(s["ts"] <= t <= s["ts"] + s["dur"] for t in launches)]
     if len(decode) < 3:
-        raise ValueError(f"trace holds {len(decode)} CUDA-graph decode steps; need at least 3")
+        kind = "eager" if eager else "CUDA-graph"
+        raise ValueError(f"trace holds {len(decode)} {kind} decode steps; need at least 3")
     window = (decode[0]["ts"], decode[-1]["ts"] + decode[-1]["dur"])
     n = len(decode)
 
@@ -185,7 +191,7 @@ def worker(args: argparse.Namespace) -> None:
     summary = dict(backend=args.backend, kv=args.kv, heads=args.heads, batch=args.batch,
                    layers=args.layers, step_ms_unprofiled=round(step_ms, 3))
     try:
-        summary.update(summarize(trace))
+        summary.update(summarize(trace, eager=args.eager))
     except ValueError as error:
         summary["error"] = str(error)
     Path(args.result).write_text(json.dumps(summary, indent=1))
@@ -229,7 +235,8 @@ def main() -> None:
     bench_engine.add_shared_args(ap)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per engine")
     ap.add_argument("--summarize", nargs="+", metavar="TRACE",
-                    help="only summarise these trace-*.json.gz files (no GPU needed)")
+                    help="only summarise these trace-*.json.gz files (no GPU needed; "
+                         "--eager for traces of enforce_eager engines)")
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -239,7 +246,8 @@ def main() -> None:
         for path in args.summarize:
             with gzip.open(path, "rt") as f:
                 summary = dict(backend=Path(path).name, kv="", heads="", batch="",
-                               step_ms_unprofiled=float("nan"), **summarize(json.load(f)))
+                               step_ms_unprofiled=float("nan"),
+                               **summarize(json.load(f), eager=args.eager))
             summaries.append(summary)
         print_comparison(summaries)
         return

@@ -75,6 +75,15 @@ def test_summary_needs_decode_steps():
         summarize(trace)
 
 
+def test_eager_summary_counts_every_step_after_the_recompute():
+    """An eager engine launches no graph: its decode steps are those after the first."""
+    trace = _trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e["name"] != "cudaGraphLaunch"]
+    s = summarize(trace, eager=True)
+    assert s["decode_steps"] == 3 and s["step_median_us"] == 500
+    assert s["gpu_busy_us_per_step"] == 200
+
+
 def test_union_of_intervals():
     assert profile_engine_step._union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert profile_engine_step._union_us([]) == 0

@@ -70,11 +70,7 @@ def shape(b, max_len, mean_len=None, q=1):
 # (heads, batch shape, expected first route) -- the table in docs/benchmarks.md
 CASES = [
     (16, shape(64, 4 * K), "flashinfer-fa3"),
-    (16, shape(64, 4 * K, 2 * K), "vllm-fa3-mla"),  # 131k tokens: little work, no FA3 plan
-    (16, shape(96, 4 * K, 2 * K), "vllm-fa3-mla"),  # 197k tokens x 1 query tile ...
-    (16, shape(98, 4 * K, 2 * K), "flashinfer-fa3"),  # ... 201k: FA3 from 200k work on
-    (128, shape(24, 4 * K), "vllm-fa3-mla"),  # 98k tokens x 2 tiles ...
-    (128, shape(25, 4 * K), "flashinfer-fa3"),  # ... 102k x 2
+    (16, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),
     (16, shape(256, 4 * K, 2 * K), "flashinfer-fa3"),
     (16, shape(64, 32 * K), "flashmla"),  # uniform: FlashMLA from 32k on
     (16, shape(64, 16 * K), "flashinfer-fa3"),  # ... FA3 at 16k
@@ -116,13 +112,13 @@ SPLITK_CASES = [
     (16, 64, shape(64, 32 * K), "cuda-splitk"),  # uniform from 8k on (32k: 1.05x)
     (16, 64, shape(64, 4 * K), "flashinfer-fa3"),  # uniform 4k: FA3 (splitk 0.86x)
     (16, 64, shape(256, 4 * K), "flashinfer-fa3"),
-    (16, 64, shape(94, 400, 332), "vllm-fa3-mla"),  # 31k tokens: splitk's fixed cost loses
+    (16, 64, shape(94, 400, 332), "flashinfer-fa3"),  # 31k tokens: FA3's fixed cost wins
     (16, 64, shape(128, 16 * K, 3 * K), "cuda-splitk"),  # longest 4% of the tokens
     # one 64k request among 95 of 2k (26% of the tokens): the ranking below (run 52: 0.75x)
     (16, 64, BatchShape(96, 1, 64 * K, 64 * K + 95 * 2 * K), "flashmla"),
     (16, 64, shape(47, 16 * K, 8 * K), "flashmla"),  # below 48 requests: the rules before
-    (16, 64, shape(32, 4 * K, 2 * K), "vllm-fa3-mla"),
-    (16, 32, shape(128, 4 * K, 2 * K), "flashinfer-fa3"),  # 32-token pages: not measured
+    (16, 64, shape(32, 4 * K, 2 * K), "flashinfer-fa3"),
+    (16, 32, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),  # 32-token pages: not measured
     (32, 64, shape(128, 8 * K, 4 * K), "flashinfer-fa3"),  # 32 rows: two row groups, slower
     (8, 64, shape(155, 2400, 2376), "flashinfer-fa3"),  # 8 rows: 368k tokens but uniform
     (16, 64, BatchShape(96, 1), "cuda-splitk"),  # CUDA graphs: by batch size alone
@@ -221,27 +217,8 @@ def test_kv_tokens_only_counted_when_it_matters():
     (128, shape(2, 20 * K, 12 * K, q=4)),
 ])
 def test_flashmla_needs_enough_work(kernels_present, heads, batch):
-    """Long but few requests: not FlashMLA (its fixed cost); with that little work, vLLM's
-    FA3 kernel, whose schedule is one device op, ahead of FlashInfer FA3 (a host plan)."""
     assert choose_route(spec(heads, q_len=batch.max_q_len), H200,
-                        shape=batch).name == "vllm-fa3-mla"
-
-
-def test_eager_small_batches_skip_flashinfer_plan(kernels_present, monkeypatch):
-    """With lengths known, FlashInfer FA3 only from EAGER_VLLM_FA3_MAX_WORK on; below it
-    vLLM's FA3 kernel, and FlashInfer FA3 where that kernel is missing."""
-    limit = policy.EAGER_VLLM_FA3_MAX_WORK
-    assert limit % 50 == 0
-    under, at = shape(50, limit // 50 - 1), shape(50, limit // 50)
-    assert choose_route(spec(16), H200, shape=under).name == "vllm-fa3-mla"
-    assert choose_route(spec(16), H200, shape=at).name == "flashinfer-fa3"
-    two_tiles = shape(50, limit // 100 - 1, q=2)  # 64 heads x 2 tokens: 2 tiles per request
-    assert choose_route(spec(64, q_len=2), H200, shape=two_tiles).name == "vllm-fa3-mla"
-    assert choose_route(spec(64, q_len=2), H200, shape=shape(50, limit // 100, q=2)).name == (
-        "flashinfer-fa3")
-    monkeypatch.setattr("trtllm_mla_plugin.ops.routes.vllm_fa3_mla.module_available",
-                        lambda name: False)
-    assert choose_route(spec(16), H200, shape=under).name == "flashinfer-fa3"
+                        shape=batch).name == "flashinfer-fa3"
 
 
 def test_sort_needs_long_enough_requests():
@@ -333,7 +310,7 @@ def test_decoder_takes_triton_for_large_fp8_batches(without_flashmla_fp8, monkey
 def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):
     dec, stubs = stub_decoder(monkeypatch, heads=16)
     dec.plan(batch([8 * K, 2 * K] * 64))
-    dec.plan(batch([8 * K, 6 * K] * 16))
+    dec.plan(batch([4 * K, 1 * K] * 16))
     assert stubs["flashinfer-fa3"].plans == [(128, True), (32, False)]
 
 

@@ -6,9 +6,7 @@ The evidence for each order and threshold is in docs/benchmarks.md ("Route polic
 On SM90 FP8 caches go to FlashMLA's dense FP8 kernel (2.6-5x faster than any route that
 reads FP8 with a bf16 query; the others stay behind it for installs without that kernel).
 For bf16 caches the order may depend on the step's batch (``BatchShape``): FlashMLA
-overtakes FlashInfer FA3 on large batches whose KV lengths are long and spread out; vLLM's
-FA3 MLA kernel takes small batches (under CUDA graphs by size, else by their work), and the
-plugin's CUDA split-KV kernel large batches of 9-16 query rows per request.
+overtakes FlashInfer FA3 on large batches whose KV lengths are long and spread out.
 Everything else ranks per ``DecodeSpec`` alone.
 """
 
@@ -31,14 +29,14 @@ SPLITK = "cuda-splitk"
 BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 # SM90: FlashInfer FA3 (with length-sorted requests) by default; FlashMLA first for the
 # batches of ``hopper_prefers_flashmla`` (under CUDA graphs: every batch but those of
-# ``hopper_prefers_vllm_fa3``, which go to vLLM's FA3 MLA kernel); vLLM's FA3 MLA kernel
-# first for the batches of ``hopper_eager_prefers_vllm_fa3`` (lengths known, little work).
+# ``hopper_prefers_vllm_fa3``, which go to vLLM's FA3 MLA kernel).
+# With lengths known (enforce_eager) FlashInfer FA3 keeps the small batches despite its
+# host plan: ranked first for them, vLLM's FA3 kernel (plan 0.5 ms against 2.3 ms, profiled)
+# left the eager engine's decode step unchanged (run 61: h16 b32, 24 layers, two paired
+# rounds, 1.000), and its kernel trails FlashInfer's by a few us per layer.
 HOPPER = (FA3, FLASHMLA, VLLM_FA3, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, VLLM_FA3, FA2, REFERENCE)
 HOPPER_VLLM_FA3_FIRST = (VLLM_FA3, FLASHMLA, FA3, FA2, REFERENCE)
-# With lengths known and little work, behind vLLM's kernel the order of such batches
-# without it (FlashMLA's fixed cost loses there).
-HOPPER_VLLM_FA3_SMALL = (VLLM_FA3, FA3, FLASHMLA, FA2, REFERENCE)
 # SM90, 16-bit cache, 9-16 query rows per request, large batches: the plugin's CUDA split-KV
 # kernel (``hopper_prefers_splitk``) ahead of whichever ranking the batch has without it
 # (what runs where nvcc is missing).
@@ -99,16 +97,6 @@ VLLM_FA3_GRAPH_MAX_BATCH = 32
 #: Every multi-token batch under both bounds ran faster on FA3 (23 of 23 shapes, 1.02-1.52x;
 #: seeds 1-4, 7, 8).
 VLLM_FA3_GRAPH_MAX_ROWS = 2048
-#: With the step's lengths known (no CUDA graph), batches with less work than this (KV
-#: tokens x 64-row query tiles, as FLASHMLA_MIN_WORK) go to vLLM's FA3 MLA kernel ahead of
-#: FlashInfer FA3. FlashInfer's plan costs 1.2-2.3 ms of host Python per step (run 17)
-#: against one device op for vLLM's kernel, and an eager engine's small steps wait for the
-#: host. On those batches FlashInfer's kernel was ahead by 0-25 us per layer where it led
-#: (runs 23, 37, 52: 57 bf16 shapes under this work, kernel time only; it also trailed on
-#: some), so less than its plan over a model's 24-61 layers. Larger batches keep FlashInfer
-#: FA3 (0.66-1.65x vLLM's kernel time there, ~1.05x on geomean), whose plan vLLM's async
-#: scheduling can run while the GPU still works on the previous step.
-EAGER_VLLM_FA3_MAX_WORK = FLASHMLA_MIN_WORK
 #: Whatever the batch size, vLLM's FA3 MLA kernel also takes batches with at most this many
 #: query rows per request (heads x query tokens: Kimi-K2's 64 heads at TP8, DeepSeek-V3's
 #: 128 at TP16, one token each): the same kernel as vLLM's default, and the faster one on 14
@@ -247,15 +235,6 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
 
 
-def hopper_eager_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
-    """The SM90 rule with lengths known: vLLM's FA3 MLA kernel ahead of FlashInfer FA3 for
-    batches with less than ``EAGER_VLLM_FA3_MAX_WORK`` (KV tokens x 64-row query tiles)."""
-    if shape is None or shape.max_seq_len is None:
-        return False
-    kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
-    return kv_tokens * query_tiles(spec, shape.max_q_len) < EAGER_VLLM_FA3_MAX_WORK
-
-
 def splitk_candidate(spec: DecodeSpec) -> bool:
     """Whether the SM90 rule can pick the CUDA split-KV kernel for some batch of ``spec``:
     a 16-bit cache on pages of ``SPLITK_PAGE_MULTIPLE`` tokens and 9-16 query rows per
@@ -329,12 +308,7 @@ def rank(
             return HOPPER_FP8_FEW_HEADS if hopper_prefers_triton(spec, shape) else HOPPER_FP8
         if hopper_prefers_vllm_fa3(spec, shape):
             return HOPPER_VLLM_FA3_FIRST
-        if hopper_prefers_flashmla(spec, shape):
-            ranking = HOPPER_FLASHMLA_FIRST
-        elif hopper_eager_prefers_vllm_fa3(spec, shape):
-            ranking = HOPPER_VLLM_FA3_SMALL
-        else:
-            ranking = HOPPER
+        ranking = HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
         return (SPLITK, *ranking) if hopper_prefers_splitk(spec, shape) else ranking
     if platform.capability >= (8, 0):
         return AMPERE_ADA
@@ -374,8 +348,7 @@ def rankings(
         if spec.fp8_kv:
             few_heads = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()
             return (HOPPER_FP8, *few_heads)
-        splitk = (((SPLITK, *HOPPER), (SPLITK, *HOPPER_FLASHMLA_FIRST),
-                   (SPLITK, *HOPPER_VLLM_FA3_SMALL)) if splitk_candidate(spec) else ())
-        return (HOPPER, HOPPER_FLASHMLA_FIRST, HOPPER_VLLM_FA3_FIRST, HOPPER_VLLM_FA3_SMALL,
-                *splitk)
+        splitk = (((SPLITK, *HOPPER), (SPLITK, *HOPPER_FLASHMLA_FIRST))
+                  if splitk_candidate(spec) else ())
+        return (HOPPER, HOPPER_FLASHMLA_FIRST, HOPPER_VLLM_FA3_FIRST, *splitk)
     return (rank(spec, platform),)

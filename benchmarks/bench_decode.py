@@ -421,7 +421,8 @@ def ceilings(device) -> dict:
 #: Host-cost shapes: a tiny one whose kernel takes a few microseconds, so a loop of eager
 #: calls is bound by host launch cost (what the <= 15 us target is about), and the
 #: memory-bound h16 b64 4k of the tables (there the loop is GPU-bound: see the doc).
-HOST_SHAPES = ((16, 4, 256, "u", 1, BF, 64), (16, 64, 4 * K, "u", 1, BF, 64),
+HOST_SHAPES = ((16, 1, 4 * K, "u", 1, BF, 64), (16, 4, 256, "u", 1, BF, 64),
+               (16, 32, 4 * K, "r", 1, BF, 64), (16, 64, 4 * K, "u", 1, BF, 64),
                (16, 64, 4 * K, "r", 1, BF, 64))
 
 
@@ -429,7 +430,8 @@ def host_overhead(device, writer) -> None:
     """Eager per-call cost of ``MLADecoder.run`` against the bare kernel call on the same
     plan, and CUDA-graph replay of each (one and ten calls per graph). The decoder is the
     default dispatch for FA3 (route forced only to fix which kernel is compared; no sort at
-    these batch sizes) and the FlashMLA route."""
+    these batch sizes), the FlashMLA route, and the ``vllm-fa3-mla`` route against vLLM's
+    own FA3 MLA call (``peer:vllm-fa3-mla``, as FLASH_ATTN_MLA makes it per layer)."""
     import triton.testing
 
     for shape in HOST_SHAPES:
@@ -437,14 +439,19 @@ def host_overhead(device, writer) -> None:
         cache = case.caches[0]
         kernels = {k.name: k for k in plugin_kernels(case)}
         for route, label in (("flashinfer-fa3", "peer:flashinfer-fa3"),
-                             ("flashmla", "flashmla")):
+                             ("flashmla", "flashmla"), ("vllm-fa3-mla", "vllm-fa3-mla")):
             k = kernels[label]
             if k.call is None:
                 continue
             dec, out = k.obj, k.out
             r = dec.route
             assert r.name == route and not getattr(r, "_sorted", False)
-            if route == "flashinfer-fa3":
+            if route == "vllm-fa3-mla":
+                peer = vllm_fa3_mla_peer(case)
+                if peer.call is None:
+                    continue
+                bare = peer.call
+            elif route == "flashinfer-fa3":
                 def bare(c, r=r, out=out, q=case.query):
                     r._wrapper.run(query=q, kv_cache=c, out=out)
             else:

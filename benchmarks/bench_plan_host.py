@@ -28,7 +28,8 @@ from trtllm_mla_plugin.ops.platform import platform_of
 
 #: (route, KV dtype, host lengths given)
 CASES = [("flashinfer-fa3", "bf16", True), ("flashinfer-fa3", "bf16", False),
-         ("flashmla", "bf16", True), ("flashmla-fp8", "fp8", True)]
+         ("flashmla", "bf16", True), ("flashmla-fp8", "fp8", True),
+         ("vllm-fa3-mla", "bf16", True)]
 
 
 def batch_for(b: int, heads: int, rng: random.Random, width: int, device) -> DecodeBatch:

@@ -419,8 +419,9 @@ def ceilings(device) -> dict:
 
 
 #: Host-cost shapes: a tiny one whose kernel takes a few microseconds, so a loop of eager
-#: calls is bound by host launch cost (what the <= 15 us target is about), and the
-#: memory-bound h16 b64 4k of the tables (there the loop is GPU-bound: see the doc).
+#: calls is bound by host launch cost (what the <= 15 us target is about), one request of
+#: 4k and b32 4k ragged (the engine's small batches, on vLLM's FA3 kernel under CUDA
+#: graphs), and the memory-bound h16 b64 4k of the tables (there the loop is GPU-bound).
 HOST_SHAPES = ((16, 1, 4 * K, "u", 1, BF, 64), (16, 4, 256, "u", 1, BF, 64),
                (16, 32, 4 * K, "r", 1, BF, 64), (16, 64, 4 * K, "u", 1, BF, 64),
                (16, 64, 4 * K, "r", 1, BF, 64))

@@ -81,10 +81,10 @@ def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
 
 def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None = None,
                        block: int = 64, eager: bool = False) -> tuple[str, float]:
-    """The plugin's decode of one layer for ``lens`` (as under CUDA graphs: batch-size-only
-    route choice unless ``route`` forces one; ``eager``: chosen with the lengths, as an
-    ``enforce_eager`` engine's decoder does, and timed launch by launch; FP8 query where
-    vLLM would hand one over), graph-timed; the kernels only (no ``plan``)."""
+    """The plugin's decode of one layer for ``lens``, kernels only (no ``plan``): as under
+    CUDA graphs (batch-size-only route choice unless ``route`` forces one), graph-timed;
+    ``eager``: the route chosen with the lengths, as an ``enforce_eager`` engine's decoder
+    does, timed launch by launch. FP8 query where vLLM would hand one over."""
     from dataclasses import replace
 
     import torch

@@ -169,7 +169,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             if small is not None:
                 # vLLM passes min(the step's longest query, reorder_batch_threshold): with
                 # short prefills in the step, that bound exceeds the decode part's own.
-                max_query_len = int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max())
+                max_query_len = int(query_start_loc_cpu.diff().max())
                 if max_query_len > decoder.spec.max_q_len:
                     decoder = small
             self._log_multi_token_step(decoder, num_decodes, num_decode_tokens, max_query_len)

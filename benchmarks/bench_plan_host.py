@@ -8,15 +8,24 @@ step) before each ``plan``; a route that synchronises then takes about that long
 Usage (GPU machine, FlashInfer and vLLM's FlashMLA importable)::
 
     python benchmarks/bench_plan_host.py --out DIR [--batches 1,8,32,64,128,256]
+        [--routes vllm-fa3-mla,peer:vllm-fa3-mla]
 
 Writes ``DIR/plan_host.csv`` (route, lengths given, batch, GPU state, host us per plan).
+Row ``policy``: the decoder an engine builds (every route its CUDA-graph ranking can pick,
+the route ranked per batch). Row ``peer:vllm-fa3-mla``: the per-step work of vLLM's own
+FLASH_ATTN_MLA builder under full CUDA graphs (``FlashAttnMLAMetadataBuilder._build_decode``:
+the longest query from the host offsets, FA3's scheduler metadata, its copy into a
+persistent buffer and the zeroed tail), the baseline of the plugin's ``vllm-fa3-mla`` plan,
+which also stages the block table, lengths and query offsets into graph-stable buffers.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import random
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,30 +38,73 @@ from trtllm_mla_plugin.ops.platform import platform_of
 #: (route, KV dtype, host lengths given)
 CASES = [("flashinfer-fa3", "bf16", True), ("flashinfer-fa3", "bf16", False),
          ("flashmla", "bf16", True), ("flashmla-fp8", "fp8", True),
-         ("vllm-fa3-mla", "bf16", True)]
+         ("vllm-fa3-mla", "bf16", True), ("peer:vllm-fa3-mla", "bf16", True),
+         ("policy", "bf16", True)]
+#: Requests the ``policy`` decoder is built for (as an engine's ``max_num_seqs``): it holds
+#: every route its CUDA-graph ranking can pick and ranks each batch.
+POLICY_MAX_BATCH = 256
 
 
 def batch_for(b: int, heads: int, rng: random.Random, width: int, device) -> DecodeBatch:
     lens = [rng.randint(1024, 8192) for _ in range(b)]
     table = torch.randint(0, 4096, (b, width), dtype=torch.int32, device=device)
     lens_t = torch.tensor(lens, dtype=torch.int32)
+    # As the vLLM glue passes them: the engine's fixed-address tensors, exact host lengths.
     return DecodeBatch(table, lens_t.to(device), max(lens), kv_tokens=sum(lens),
-                       seq_lens_host=lens_t)
+                       seq_lens_host=lens_t, persistent=True)
 
 
-def host_us_per_plan(dec: MLADecoder, batch: DecodeBatch, busy_us: int, reps: int) -> float:
+class VllmFA3BuilderPlan:
+    """What vLLM 0.33's FLASH_ATTN_MLA builder does per decode step under full CUDA graphs
+    (``v1/attention/backends/mla/flashattn_mla.py``), as a ``plan`` to time beside the
+    plugin's: it hands the engine's own block table and lengths to the kernel, which vLLM
+    keeps at fixed addresses."""
+
+    def __init__(self, spec: DecodeSpec, device: torch.device, max_batch: int) -> None:
+        from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import (
+            FA3_MODULE,
+            GRAPH_MAX_SPLITS,
+            fa3_scheduler_metadata_size,
+        )
+
+        self.fa = importlib.import_module(FA3_MODULE)
+        self.spec, self.splits = spec, GRAPH_MAX_SPLITS
+        self.buffer = torch.zeros(fa3_scheduler_metadata_size(max_batch), dtype=torch.int32,
+                                  device=device)
+        self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.cu_host = torch.arange(max_batch + 1, dtype=torch.int32)
+
+    def plan(self, batch: DecodeBatch) -> None:
+        b, spec = batch.batch_size, self.spec
+        cu_host = self.cu_host[: b + 1]
+        max_q = (cu_host[1:] - cu_host[:-1]).max().item()
+        meta = self.fa.get_scheduler_metadata(
+            batch_size=b, max_seqlen_q=max_q, max_seqlen_k=batch.max_seq_len,
+            num_heads_q=spec.num_heads, num_heads_kv=1, headdim=spec.rope_dim,
+            cache_seqlens=batch.seq_lens, qkv_dtype=spec.kv_dtype,
+            headdim_v=spec.kv_lora_rank, cu_seqlens_q=self.cu[: b + 1],
+            page_size=spec.block_size, causal=True, num_splits=self.splits)
+        n = meta.shape[0]
+        self.buffer[:n] = meta
+        self.buffer[n:] = 0
+
+
+def host_us_per_plan(dec, batch: DecodeBatch, busy_us: int, reps: int) -> float:
+    """Median host time of ``dec.plan(batch)`` (``dec``: an ``MLADecoder`` or
+    ``VllmFA3BuilderPlan``), the GPU idle or kept busy ``busy_us`` before each. (Runs 17
+    and 66-69 reported the mean, which a few slow plans moved by tens of us.)"""
     cycles = int(busy_us * 1.98e3)  # H200 SM clock ~1.98 GHz
     dec.plan(batch)
     torch.cuda.synchronize()
-    total = 0.0
+    times = []
     for _ in range(reps):
         if busy_us:
             torch.cuda._sleep(cycles)
         t0 = time.perf_counter()
         dec.plan(batch)
-        total += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-    return total / reps * 1e6
+    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -62,19 +114,28 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--busy-us", type=int, default=5000)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--routes", default=",".join(dict.fromkeys(c[0] for c in CASES)),
+                    help="comma-separated subset of the cases' routes")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     rows = []
-    for route, kv, host in CASES:
+    routes = set(args.routes.split(","))
+    for route, kv, host in (c for c in CASES if c[0] in routes):
         kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
         spec = DecodeSpec(args.heads, 512, 64, 64, torch.bfloat16, kv_dtype, 1 / 192**0.5)
-        spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), route))
+        forced = None if route == "policy" or route.startswith("peer:") else route
+        spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), forced))
         for b in (int(x) for x in args.batches.split(",")):
             batch = batch_for(b, args.heads, random.Random(b), 8192 // 64, device)
             if not host:
                 batch = replace(batch, seq_lens_host=None)
-            dec = MLADecoder(spec, device, b, route=route, cuda_graph=True)
+            if route.startswith("peer:"):
+                dec = VllmFA3BuilderPlan(spec, device, b)
+            elif route == "policy":
+                dec = MLADecoder(spec, device, max(b, POLICY_MAX_BATCH), cuda_graph=True)
+            else:
+                dec = MLADecoder(spec, device, b, route=route, cuda_graph=True)
             for busy in (0, args.busy_us):
                 us = host_us_per_plan(dec, batch, busy, args.reps)
                 rows.append(dict(route=route, kv=kv, host_lengths=host, batch=b,

@@ -292,3 +292,64 @@ def test_staged_tables_keep_addresses_and_zero_the_padding():
     assert lens.tolist() == [7, 8, 9]
     staged.stage(batch([[1] * 5], [70]))  # wider: a new, larger table
     assert staged.block_table.shape == (4, 8)
+
+
+def test_staged_tables_take_persistent_tensors_as_they_are():
+    """An engine's inputs at fixed addresses (``DecodeBatch.persistent``, vLLM's model
+    runner) go to the kernels as they are: no copy per step. Tensors a kernel could not
+    read as they are (int64, a width that is not a multiple) are still staged."""
+    from dataclasses import replace
+
+    from trtllm_mla_plugin.ops.routes.base import StagedTables
+
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    lens = torch.tensor([200, 30], dtype=torch.int32)
+    owned = DecodeBatch(table, lens, 200, persistent=True)
+    staged = StagedTables(4, torch.device("cpu"), width_multiple=4)
+    got_table, got_lens = staged.stage(owned)
+    assert got_table is table and got_lens is lens and staged.block_table is None
+    not_marked = staged.stage(replace(owned, persistent=False))
+    assert not_marked[0].data_ptr() == staged.block_table.data_ptr() != table.data_ptr()
+    for unreadable in (replace(owned, block_table=table.long()),
+                       replace(owned, seq_lens=lens.long()),
+                       replace(owned, block_table=table[:, :3])):
+        got_table, got_lens = staged.stage(unreadable)
+        assert got_table.data_ptr() == staged.block_table.data_ptr()
+        assert got_lens.data_ptr() == staged.seq_lens.data_ptr()
+        width = unreadable.block_table.shape[1]
+        assert torch.equal(got_table[:, :width], unreadable.block_table.int())
+        assert not got_table[:, width:].any()
+        assert got_lens.tolist() == [200, 30]
+
+
+def test_staged_query_offsets_write_uniform_offsets_once(monkeypatch):
+    """Uniform offsets (``arange * q_len``) are computed only when the buffer does not hold
+    them yet; a ragged step's copy invalidates them. Every step reads one address."""
+    from trtllm_mla_plugin.ops.routes.base import StagedQueryOffsets
+
+    muls = []
+    real_mul = torch.mul
+    monkeypatch.setattr(torch, "mul", lambda *a, **k: muls.append(1) or real_mul(*a, **k))
+    staged = StagedQueryOffsets(8, torch.device("cpu"))
+    table = torch.zeros(8, 2, dtype=torch.int32)
+
+    def uniform(b, q):
+        return DecodeBatch(table[:b], torch.ones(b, dtype=torch.int32), 1, max_q_len=q)
+
+    def ragged(q_lens):
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        return DecodeBatch(table[: len(q_lens)], torch.ones(len(q_lens), dtype=torch.int32),
+                           1, cu_seqlens_q=cu, max_q_len=max(q_lens), num_tokens=sum(q_lens))
+
+    steps = [(uniform(4, 2), [0, 2, 4, 6, 8], 1), (uniform(2, 2), [0, 2, 4], 0),
+             (uniform(4, 2), [0, 2, 4, 6, 8], 0), (uniform(6, 2), list(range(0, 13, 2)), 1),
+             (ragged([1, 3]), [0, 1, 4], 0), (uniform(2, 2), [0, 2, 4], 1),
+             (uniform(2, 3), [0, 3, 6], 1), (uniform(2, 3), [0, 3, 6], 0)]
+    ptrs = set()
+    for batch, expected, computed in steps:
+        before = len(muls)
+        cu = staged.stage(batch)
+        assert cu.tolist() == expected
+        assert len(muls) - before == computed
+        ptrs.add(cu.data_ptr())
+    assert len(ptrs) == 1

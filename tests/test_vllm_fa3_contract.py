@@ -181,3 +181,21 @@ def test_fp8_scales_are_refused(fake):
     with pytest.raises(ValueError, match="FP8 caches only"):
         route.run(torch.randn(2, 16, 576).to(BF16), torch.randn(4, 64, 576).to(BF16),
                   torch.empty(2, 16, 512, dtype=BF16), KVScales(k_scale=0.5))
+
+
+def test_persistent_batch_tensors_reach_the_kernel_without_copies(fake):
+    """With the engine's own fixed-address tensors (``DecodeBatch.persistent``, as vLLM's
+    FLASH_ATTN_MLA passes them), the kernel reads the caller's block table and lengths, as
+    vLLM's backend does: no staging copy per step, also under CUDA graphs."""
+    from dataclasses import replace
+
+    route = VllmFA3MLARoute(spec(), torch.device("cpu"), 4, cuda_graph=True)
+    cache = torch.randn(40, 64, 576).to(BF16)
+    b = replace(batch_of([10, 700, 64]), persistent=True)
+    route.plan(b)
+    route.run(torch.randn(3, 16, 576).to(BF16), cache, torch.empty(3, 16, 512, dtype=BF16),
+              UNIT_SCALES)
+    sched, call = fake.schedules[-1], fake.calls[-1]
+    assert call["block_table"] is b.block_table and call["seqused_k"] is b.seq_lens
+    assert sched["cache_seqlens"] is b.seq_lens
+    assert call["cu_seqlens_q"].tolist() == [0, 1, 2, 3]

@@ -3,10 +3,14 @@
 The graph is captured once with persistent query/output buffers; then the decoder is
 re-planned with new lengths and block tables of the same batch size (and the same number
 of query rows), the query buffer refilled, and the replay must equal an eager run and the
-float64 reference.
+float64 reference. ``persistent``: the batches' block table and lengths live in two
+buffers that each step rewrites in place (``DecodeBatch.persistent``, as vLLM's model runner
+keeps them), which routes then read directly instead of staging copies.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,9 +48,10 @@ SCHEDULES = [
 ]
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["staged", "persistent"])
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=[s[0] for s in SCHEDULES])
-def test_graph_replay_after_replan(route: str, schedule: tuple) -> None:
+def test_graph_replay_after_replan(route: str, schedule: tuple, persistent: bool) -> None:
     device = torch.device("cuda")
     dtype = KV_DTYPE.get(route, torch.bfloat16)
     steps = [
@@ -64,14 +69,24 @@ def test_graph_replay_after_replan(route: str, schedule: tuple) -> None:
     query = first.query.clone()
     out = torch.empty(query.shape[0], 16, 512, dtype=torch.bfloat16, device=device)
 
-    decoder.plan(first.batch)
+    tables = torch.empty_like(first.batch.block_table)
+    lens = torch.empty_like(first.batch.seq_lens)
+
+    def step_batch(batch):
+        if not persistent:
+            return batch
+        tables.copy_(batch.block_table)
+        lens.copy_(batch.seq_lens)
+        return replace(batch, block_table=tables, seq_lens=lens, persistent=True)
+
+    decoder.plan(step_batch(first.batch))
     graph = capture_decode(decoder, query, cache, out)
 
     # Re-planned steps alternate between device-only and host-carrying lengths.
     for i, p in enumerate(steps[1:] + steps[:1]):
         cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)
         p.kv_cache = cache
-        decoder.plan(with_host_lengths(p.batch) if i % 2 == 0 else p.batch)
+        decoder.plan(step_batch(with_host_lengths(p.batch) if i % 2 == 0 else p.batch))
         query.copy_(p.query)
         p.query = query
         out.fill_(float("nan"))
@@ -82,7 +97,8 @@ def test_graph_replay_after_replan(route: str, schedule: tuple) -> None:
         rel_eager, _ = errors(out, eager.to(torch.float64))
         assert rel_eager < 1e-3, f"replay differs from eager run: {rel_eager:.2e}"
         rel, worst = errors(out, reference(p, route))
-        print(f"[graph {route} {schedule[0]}] rel={rel:.2e} max={worst:.2e} "
+        print(f"[graph {route} {schedule[0]} persistent={persistent}] rel={rel:.2e} "
+              f"max={worst:.2e} "
               f"vs-eager={rel_eager:.1e}")
         rel_bound, max_bound = bounds(p)
         assert rel < rel_bound and worst < max_bound, (rel, worst)
@@ -102,7 +118,8 @@ def test_policy_decoder_replays_its_batch_size_route(heads: int, batch: int,
                                                      route: str) -> None:
     """The decoder an engine builds (no forced route, ``cuda_graph=True``) on an H100/H200:
     the route its policy picks for the captured batch size, replayed after re-planning with
-    new lengths, against the float64 reference."""
+    new lengths, against the float64 reference. The block table and lengths live in fixed
+    buffers rewritten each step (``DecodeBatch.persistent``), as the vLLM glue hands them."""
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("the SM90 CUDA-graph rule")
@@ -122,13 +139,21 @@ def test_policy_decoder_replays_its_batch_size_route(heads: int, batch: int,
     cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
     query = first.query.clone()
     out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device=device)
-    decoder.plan(first.batch)
+    tables = torch.empty_like(first.batch.block_table)
+    lens = torch.empty_like(first.batch.seq_lens)
+
+    def engine_batch(b):
+        tables.copy_(b.block_table)
+        lens.copy_(b.seq_lens)
+        return replace(b, block_table=tables, seq_lens=lens, persistent=True)
+
+    decoder.plan(engine_batch(first.batch))
     assert decoder.route.name == route, decoder.choice.explain()
     graph = capture_decode(decoder, query, cache, out)
     for p in steps[1:] + steps[:1]:
         cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)
         p.kv_cache = cache
-        decoder.plan(p.batch)
+        decoder.plan(engine_batch(p.batch))
         assert decoder.route.name == route
         query.copy_(p.query)
         p.query = query

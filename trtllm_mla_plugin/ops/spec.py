@@ -71,6 +71,12 @@ class DecodeBatch:
             which would wait for the GPU every step.
         cu_seqlens_q_host: ``[batch + 1]`` int32 on the CPU, equal to ``cu_seqlens_q``;
             needed with ``seq_lens_host`` when ``cu_seqlens_q`` is given.
+        persistent: ``block_table``, ``seq_lens`` and ``cu_seqlens_q`` are views (from
+            row 0) of buffers the caller keeps at fixed addresses and rewrites in place every
+            step, as vLLM's model runner keeps its inputs for CUDA graphs (vLLM's own MLA
+            backends hand them to captured kernels as they are). Routes then read them
+            directly instead of staging copies into buffers of their own. Leave ``False``
+            for tensors made per step: a graph captured on them would replay stale values.
     """
 
     block_table: torch.Tensor
@@ -82,6 +88,7 @@ class DecodeBatch:
     kv_tokens: int | None = None
     seq_lens_host: torch.Tensor | None = None
     cu_seqlens_q_host: torch.Tensor | None = None
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.cu_seqlens_q is None:

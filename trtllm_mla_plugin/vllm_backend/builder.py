@@ -177,6 +177,10 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         if host_lens is not None:
             host_lens = host_lens[:num_decodes] if host_lens.shape[0] >= num_decodes else None
         exact = host_lens is not None and self._host_lens_exact
+        # The policy sums exact host lengths itself when they matter; only an upper bound
+        # (asynchronous speculative decoding) is summed here, and only for a decoder that
+        # ranks with lengths.
+        count_kv = host_lens is not None and not exact and not decoder.cuda_graph
         decoder.plan(
             DecodeBatch(
                 block_table=block_table_tensor,
@@ -185,12 +189,15 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
                 cu_seqlens_q=None if single_token else query_start_loc_device,
                 max_q_len=1 if single_token else max_query_len,
                 num_tokens=num_decode_tokens,
-                kv_tokens=None if host_lens is None else int(host_lens.sum()),
+                kv_tokens=int(host_lens.sum()) if count_kv else None,
                 seq_lens_host=host_lens if exact else None,
                 cu_seqlens_q_host=(
                     query_start_loc_cpu[: num_decodes + 1] if exact and not single_token
                     else None
                 ),
+                # vLLM's model runner keeps its block table and lengths at fixed addresses
+                # for CUDA graphs (its own MLA backends hand them to captured kernels).
+                persistent=True,
             )
         )
         return TrtllmMLADecodeMetadata(

@@ -45,7 +45,7 @@ def policy_row(r: dict, lens: list[int], graph: bool = False,
     heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
     shape = (policy.BatchShape(b, q) if graph
-             else policy.BatchShape(b, q, max(lens), sum(lens)))
+             else policy.BatchShape(b, q, max(lens), sum(lens), lengths=tuple(lens)))
     name = next(n for n in policy.rank(spec, H200, shape)
                 if n in ROUTE_ROWS and (n != "flashmla" or r["block"] == "64")
                 and (n != "cuda-splitk" or ROUTE_ROWS[n] in timed))

@@ -567,3 +567,77 @@ def test_doctor_says_where_short_prefills_run(kernels_present):
         "decode route vllm-fa3-mla, as vLLM's FLASH_ATTN_MLA runs them")
     assert doctor.short_prefill_status(spec(16, kv=FP8), H200).endswith("vLLM's prefill path")
     assert doctor.short_prefill_status(spec(16), B200).endswith("vLLM's prefill path")
+
+
+def test_fa3_plan_imbalance_by_hand():
+    """FlashInfer's FA3 MLA planner model against plans worked out by hand (16 heads, one
+    token: one 64-row tile per request, 132 clusters, a chunk costs its tokens + 128).
+
+    78 x 9850 tokens: even share ceil(768300 / 132) = 5821 -> chunk limit 5888; every request
+    is cut 5888 + 3962; the first 66 requests fill the 132 clusters, the last 12 put one
+    5888-chunk each on a 3962 cluster: 3962 + 128 + 5888 + 128 = 10106 at most, against an
+    even share with FlashMLA's request cost of (768300 + 78 x 128) / 132. Measured (run 46):
+    FlashMLA 1.35x faster. 128 x 8192: limit 8192, one chunk per cluster, 8320 at most
+    against (1048576 + 128 x 128) / 132; measured (run 46 grid): FA3 1.03x faster."""
+    s = spec(16)
+    uneven = BatchShape(78, 1, 9850, 78 * 9850, lengths=(9850,) * 78)
+    assert policy.fa3_plan_imbalance(s, uneven) == pytest.approx(10106 / (778284 / 132))
+    even = BatchShape(128, 1, 8192, 128 * 8192, lengths=(8192,) * 128)
+    assert policy.fa3_plan_imbalance(s, even) == pytest.approx(8320 / (1064960 / 132))
+    assert policy.hopper_prefers_flashmla(s, uneven)
+    assert not policy.hopper_prefers_flashmla(s, even)
+    # 128 heads: 128-row tiles on 66 two-CTA clusters; 66 x 4k fills them evenly.
+    assert policy.fa3_plan_imbalance(spec(128), BatchShape(
+        66, 1, 4096, 66 * 4096, lengths=(4096,) * 66)) == pytest.approx(
+        (4096 + 256) / (4096 + 128))
+
+
+def test_eager_decoder_reads_lengths_only_from_exact_host_lengths(kernels_present,
+                                                                   monkeypatch):
+    """8 heads, 78 requests of 9850 tokens: FA3's plan leaves SMs idle (imbalance 1.7), so
+    with the host lengths the eager decoder takes FlashMLA; with only their sum (lengths
+    from the device, or an upper bound) the thresholds keep FA3 (uniform, under 32k)."""
+    dec, _ = stub_decoder(monkeypatch, heads=8)
+    lens = [9850] * 78
+    host = torch.tensor(lens, dtype=torch.int32)
+    table = torch.zeros(78, 160, dtype=torch.int32)
+    dec.plan(DecodeBatch(table, host.clone(), 9850, kv_tokens=sum(lens), seq_lens_host=host))
+    assert dec.route.name == "flashmla"
+    dec.plan(DecodeBatch(table, host.clone(), 9850, kv_tokens=sum(lens)))
+    assert dec.route.name == "flashinfer-fa3"
+    assert not policy.wants_lengths(spec(8), BatchShape(4, 1, 9850, 4 * 9850))  # little work
+    assert not policy.wants_lengths(spec(8, kv=FP8), BatchShape(78, 1, 9850, 78 * 9850))
+
+
+@pytest.mark.parametrize("files,floor", [
+    (["run46-random-1.csv", "run46-random-2.csv", "run46-random-3.csv", "run47-random-4.csv",
+      "run47-random-5.csv", "run48-random-6.csv", "run48-random-7.csv",
+      "run48-random-8.csv"], 0.99),  # fitted on (seeds 1-8, FA3 and FlashMLA as peers)
+    (["run52-random-9.csv"], 0.96),  # not fitted on (seed 9, every peer)
+], ids=["fit", "fresh"])
+def test_eager_rule_scores_on_the_measured_shapes(files, floor):
+    """The eager rule (FA3's plan imbalance deciding FlashInfer FA3 against FlashMLA) replayed
+    on measured bf16 shapes: geometric mean of the best peer's time over the chosen route's
+    at least ``floor`` (the rule of max length and spread before it: 0.985 and 0.955), and
+    no bf16 grid shape (runs 46, 52) under 0.95 of the best peer (before: 0.78)."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import json
+
+    from evaluate_policy import ratios
+
+    def scores(shapes, names):
+        d = root / "docs" / "bench-2026-12-01"
+        lens = {json.loads(line)["shape"]: json.loads(line)["lens"]
+                for line in (d / shapes).read_text().splitlines()}
+        return [x[0] for n in names for x in ratios(str(d / n), lens, "eager")
+                if " bf16 " in x[1]]
+
+    measured = []
+    for run in sorted({f[:5] for f in files}):
+        measured += scores(f"{run}-shapes.jsonl", [f for f in files if f.startswith(run)])
+    assert len(measured) >= 32
+    assert math.exp(sum(math.log(x) for x in measured) / len(measured)) >= floor
+    grid = (scores("run46-shapes.jsonl", ["run46-decode.csv"])
+            + scores("run52-shapes.jsonl", ["run52-decode.csv"]))
+    assert len(grid) >= 17 and min(grid) >= 0.95, sorted(grid)[:3]

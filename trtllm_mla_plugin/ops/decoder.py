@@ -197,7 +197,9 @@ class MLADecoder:
 
     def batch_shape(self, batch: DecodeBatch) -> policy.BatchShape:
         """What the policy sees of ``batch``: no lengths under ``cuda_graph``; the KV token
-        count is read from the device only when the caller gave none and it matters."""
+        count is read from the device only when the caller gave none and it matters; each
+        request's length only from exact host lengths (``seq_lens_host``), where it matters
+        (``policy.wants_lengths``)."""
         if self.cuda_graph:
             return policy.BatchShape(batch.batch_size, batch.max_q_len)
         shape = policy.BatchShape(
@@ -206,9 +208,9 @@ class MLADecoder:
         if policy.wants_kv_tokens(self.spec, shape):
             lens = batch.seq_lens if batch.seq_lens_host is None else batch.seq_lens_host
             kv_tokens = int(lens.sum())  # a device->host copy unless the host has the lengths
-            shape = policy.BatchShape(
-                batch.batch_size, batch.max_q_len, batch.max_seq_len, kv_tokens
-            )
+            shape = replace(shape, kv_tokens=kv_tokens)
+        if batch.seq_lens_host is not None and policy.wants_lengths(self.spec, shape):
+            shape = replace(shape, lengths=tuple(batch.seq_lens_host.tolist()))
         return shape
 
     def plan(self, batch: DecodeBatch) -> None:

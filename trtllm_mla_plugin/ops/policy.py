@@ -6,12 +6,14 @@ The evidence for each order and threshold is in docs/benchmarks.md ("Route polic
 On SM90 FP8 caches go to FlashMLA's dense FP8 kernel (2.6-5x faster than any route that
 reads FP8 with a bf16 query; the others stay behind it for installs without that kernel).
 For bf16 caches the order may depend on the step's batch (``BatchShape``): FlashMLA
-overtakes FlashInfer FA3 on large batches whose KV lengths are long and spread out.
+overtakes FlashInfer FA3 on large batches that FA3's planner cannot spread evenly over the
+SMs (with the lengths known, a model of that planner says which).
 Everything else ranks per ``DecodeSpec`` alone.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from .platform import Platform
@@ -57,7 +59,22 @@ TRITON_FP8_MAX_HEADS = 16
 TRITON_FP8_MIN_BATCH = 32
 #: ... with one query token per request (q_len 2: FA3 188 us vs 207 us).
 TRITON_FP8_MAX_Q_LEN = 1
-#: With at least this many heads FlashMLA goes first for every batch whose longest request
+#: With the step's lengths on the host (eager decoders, exact lengths), FlashMLA goes first
+#: when FlashInfer FA3's planner would leave its busiest SM with at least this many times an
+#: even share of the batch's work (``fa3_plan_imbalance``; FlashMLA's scheduler splits the
+#: work evenly). Fitted with FLASHMLA_REQUEST_COST on seeds 1-8 (runs 23, 46-48: 234 bf16
+#: shapes; 1.2-1.3 with a request cost of 64-256 score alike), checked on seed 9 and the bf16
+#: grid (runs 46, 52), replayed against the best peer: geomean 0.979 -> 0.992 (shapes under
+#: 0.95: 38 -> 19), 0.955 -> 0.961, 0.996 -> 1.010 (grid shapes under 0.95: 1 -> 0), against
+#: the rule of max length, spread and head count below (``evaluate_policy.py``).
+FA3_PLAN_IMBALANCE_FOR_FLASHMLA = 1.3
+#: SMs of the H100 SXM and H200 (FlashInfer plans one cluster of 1 or 2 CTAs per SM pair).
+HOPPER_SMS = 132
+#: What a request costs FlashMLA beyond its KV tokens, in token-equivalents (its scheduler
+#: splits tokens evenly, but each request it touches adds a fixed cost).
+FLASHMLA_REQUEST_COST = 128
+#: Without the lengths (an upper bound only), the rule of these thresholds decides:
+#: with at least this many heads FlashMLA goes first for every batch whose longest request
 #: reaches FLASHMLA_LONG_SEQ tokens (h128 b64 16k/32k uniform) and for every ragged batch.
 FLASHMLA_MANY_HEADS = 64
 FLASHMLA_LONG_SEQ = 16 * 1024
@@ -67,9 +84,10 @@ FLASHMLA_RAGGED_LONG_SEQ = 12 * 1024
 #: ... and uniform ones only from this one (16k uniform: FA3 292 us vs FlashMLA 303 us;
 #: 32k uniform: FlashMLA 609 us vs FA3 640 us in run 5).
 FLASHMLA_UNIFORM_LONG_SEQ = 32 * 1024
-#: ... and in every case only for batches with at least this much work: KV tokens x 64-row
-#: query tiles (ceil(heads * q_len / 64)). Fitted on 390 random shapes (run 12): below it
-#: FA3's lower fixed cost wins (h128 b1 62k: FA3 54 us, FlashMLA 69; h8 b10 46k: 87 vs 102).
+#: ... and in every case (lengths known or not) only for batches with at least this much
+#: work: KV tokens x 64-row query tiles (ceil(heads * q_len / 64)). Fitted on 390 random
+#: shapes (run 12): below it FA3's lower fixed cost wins (h128 b1 62k: FA3 54 us, FlashMLA
+#: 69; h8 b10 46k: 87 vs 102).
 FLASHMLA_MIN_WORK = 200_000
 # Under CUDA graphs (lengths unknown when ranking; the engine's default) FlashMLA goes first
 # for every batch size: its schedule is one kernel launch (plan: 30-115 us of host time),
@@ -171,12 +189,15 @@ class BatchShape:
         max_seq_len: host-side bound on ``seq_lens``; ``None`` when unknown (CUDA-graph
             decoders rank without lengths so a captured batch size keeps its route).
         kv_tokens: ``sum(seq_lens)`` when the host knows it, else ``None``.
+        lengths: every request's KV length in the batch's order, when the host has them
+            exactly and they can change the choice (``wants_lengths``), else ``None``.
     """
 
     batch_size: int
     max_q_len: int = 1
     max_seq_len: int | None = None
     kv_tokens: int | None = None
+    lengths: tuple[int, ...] | None = None
 
     @property
     def spread(self) -> float | None:
@@ -196,6 +217,63 @@ def wants_kv_tokens(spec: DecodeSpec, shape: BatchShape) -> bool:
     return shape.batch_size * shape.max_seq_len >= KV_TOKENS_WORTH_COUNTING
 
 
+def wants_lengths(spec: DecodeSpec, shape: BatchShape) -> bool:
+    """Whether the SM90 rule would read each request's length for ``shape`` (a caller with
+    exact host lengths then passes them as ``BatchShape.lengths``): 16-bit caches, lengths
+    known, and enough work for FlashMLA to be a candidate."""
+    if spec.fp8_kv or shape.max_seq_len is None or shape.lengths is not None:
+        return False
+    kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
+    return kv_tokens * query_tiles(spec, shape.max_q_len) >= FLASHMLA_MIN_WORK
+
+
+def _fa3_chunk_limit(share: int) -> int:
+    """The most KV tokens FlashInfer's MLA planner gives one work item, for an even share of
+    ``share`` tokens per cluster (its ``MLAPlan``: small shares round to 32-192, larger ones
+    up to a multiple of 256)."""
+    for bound, limit in ((8, 32), (16, 64), (32, 128), (64, 192)):
+        if share <= bound:
+            return limit
+    return -(-share // 256) * 256
+
+
+def fa3_plan_imbalance(spec: DecodeSpec, shape: BatchShape, sms: int = HOPPER_SMS) -> float:
+    """The busiest cluster's cost over an even share of the work, for the plan FlashInfer's
+    FA3 MLA planner (``MLAPlan`` in ``attention/scheduler.cuh``, flashinfer 0.7) makes of
+    ``shape.lengths``: query rows packed ``heads x q_len`` into tiles of 64 rows (128, as
+    two-CTA clusters on half the SMs, when a request has more than 64), each tile's KV cut
+    into chunks of at most a limit near the even share, the chunks of the requests in order
+    (longest first where the route sorts them, ``fa_sort_by_length``) handed to the
+    cluster with the least cost so far, a chunk costing its tokens plus two tile heights.
+    FlashMLA's own scheduler splits the work evenly, so this ratio is what FA3 loses to
+    load imbalance (1.7 for 78 requests of 9.8k tokens at 16 heads, where FlashMLA ran
+    1.35x faster; 1.05 for 128 of 8k, where FA3 ran 1.03x faster: runs 46, 52)."""
+    assert shape.lengths is not None
+    rows = spec.num_heads * shape.max_q_len
+    cluster = 2 if rows > 64 else 1
+    clusters, tile = sms // cluster, 64 * cluster
+    tiles = -(-rows // tile)
+    lengths = shape.lengths
+    if fa_sort_by_length(spec, shape):
+        lengths = sorted(lengths, reverse=True)
+    total = sum(lengths) * tiles
+    if total <= 0:
+        return 1.0
+    limit = _fa3_chunk_limit(-(-total // clusters))
+    even = (total + len(lengths) * tiles * FLASHMLA_REQUEST_COST) / clusters
+    loads = [0] * clusters
+    for length in lengths:
+        for _ in range(tiles):
+            remaining = length
+            while True:
+                part = min(remaining, limit)
+                heapq.heapreplace(loads, loads[0] + 2 * tile + part)
+                remaining -= part
+                if remaining <= 0:
+                    break
+    return max(loads) / even
+
+
 def _ragged(shape: BatchShape) -> bool:
     spread = shape.spread
     return spread is not None and spread >= RAGGED_SPREAD
@@ -207,7 +285,9 @@ def query_tiles(spec: DecodeSpec, max_q_len: int) -> int:
 
 
 def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
-    """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md)."""
+    """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md): under
+    CUDA graphs always; with lengths, by FA3's plan imbalance (``shape.lengths``) or else
+    by the thresholds above."""
     if shape is None:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: FlashMLA always ("Under CUDA graphs" above)
@@ -215,6 +295,8 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
     if kv_tokens * query_tiles(spec, shape.max_q_len) < FLASHMLA_MIN_WORK:
         return False
+    if shape.lengths is not None:
+        return fa3_plan_imbalance(spec, shape) >= FA3_PLAN_IMBALANCE_FOR_FLASHMLA
     if spec.num_heads >= FLASHMLA_MANY_HEADS:
         return shape.max_seq_len >= FLASHMLA_LONG_SEQ or _ragged(shape)
     if shape.max_seq_len >= FLASHMLA_UNIFORM_LONG_SEQ:

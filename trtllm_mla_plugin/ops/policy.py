@@ -68,7 +68,8 @@ TRITON_FP8_MAX_Q_LEN = 1
 #: 0.95: 38 -> 19), 0.955 -> 0.961, 0.996 -> 1.010 (grid shapes under 0.95: 1 -> 0), against
 #: the rule of max length, spread and head count below (``evaluate_policy.py``).
 FA3_PLAN_IMBALANCE_FOR_FLASHMLA = 1.3
-#: SMs of the H100 SXM and H200 (FlashInfer plans one cluster of 1 or 2 CTAs per SM pair).
+#: SMs of the H100 SXM and H200 (FlashInfer's MLA planner spreads work over one cluster per
+#: SM, or per SM pair when a request's query rows take two-CTA clusters).
 HOPPER_SMS = 132
 #: What a request costs FlashMLA beyond its KV tokens, in token-equivalents (its scheduler
 #: splits tokens evenly, but each request it touches adds a fixed cost).
@@ -246,9 +247,11 @@ def fa3_plan_imbalance(spec: DecodeSpec, shape: BatchShape, sms: int = HOPPER_SM
     (longest first where the route sorts them, ``fa_sort_by_length``) handed to the
     cluster with the least cost so far, a chunk costing its tokens plus two tile heights.
     FlashMLA's own scheduler splits the work evenly, so this ratio is what FA3 loses to
-    load imbalance (1.7 for 78 requests of 9.8k tokens at 16 heads, where FlashMLA ran
-    1.35x faster; 1.05 for 128 of 8k, where FA3 ran 1.03x faster: runs 46, 52)."""
-    assert shape.lengths is not None
+    load imbalance (1.71 for 78 requests of 9.8k tokens at 16 heads, where FlashMLA ran
+    1.35x faster; 1.03 for 128 of 8k, where FA3 ran 1.03x faster: runs 46, 52). The even
+    share counts ``FLASHMLA_REQUEST_COST`` per request and query tile."""
+    if shape.lengths is None:
+        raise ValueError("fa3_plan_imbalance needs the batch's lengths (BatchShape.lengths)")
     rows = spec.num_heads * shape.max_q_len
     cluster = 2 if rows > 64 else 1
     clusters, tile = sms // cluster, 64 * cluster

@@ -31,6 +31,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from decode_kernels import (  # this folder is on sys.path when a file of it runs
+    VLLM_FA3_MODULE,
+    vllm_fa3_scheduler_metadata,
+)
 
 from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype
 from trtllm_mla_plugin.ops.platform import platform_of
@@ -61,29 +65,21 @@ class VllmFA3BuilderPlan:
     keeps at fixed addresses."""
 
     def __init__(self, spec: DecodeSpec, device: torch.device, max_batch: int) -> None:
-        from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import (
-            FA3_MODULE,
-            GRAPH_MAX_SPLITS,
-            fa3_scheduler_metadata_size,
-        )
+        from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import fa3_scheduler_metadata_size
 
-        self.fa = importlib.import_module(FA3_MODULE)
-        self.spec, self.splits = spec, GRAPH_MAX_SPLITS
+        self.fa = importlib.import_module(VLLM_FA3_MODULE)
+        self.spec = spec
         self.buffer = torch.zeros(fa3_scheduler_metadata_size(max_batch), dtype=torch.int32,
                                   device=device)
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.cu_host = torch.arange(max_batch + 1, dtype=torch.int32)
 
     def plan(self, batch: DecodeBatch) -> None:
-        b, spec = batch.batch_size, self.spec
+        b = batch.batch_size
         cu_host = self.cu_host[: b + 1]
         max_q = (cu_host[1:] - cu_host[:-1]).max().item()
-        meta = self.fa.get_scheduler_metadata(
-            batch_size=b, max_seqlen_q=max_q, max_seqlen_k=batch.max_seq_len,
-            num_heads_q=spec.num_heads, num_heads_kv=1, headdim=spec.rope_dim,
-            cache_seqlens=batch.seq_lens, qkv_dtype=spec.kv_dtype,
-            headdim_v=spec.kv_lora_rank, cu_seqlens_q=self.cu[: b + 1],
-            page_size=spec.block_size, causal=True, num_splits=self.splits)
+        meta = vllm_fa3_scheduler_metadata(self.fa, self.spec, b, max_q, batch.max_seq_len,
+                                           batch.seq_lens, self.cu[: b + 1])
         n = meta.shape[0]
         self.buffer[:n] = meta
         self.buffer[n:] = 0

@@ -175,6 +175,24 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
     return Kernel(name, call, out=out4)
 
 
+#: vLLM's ``AttentionConfig.flash_attn_max_num_splits_for_cuda_graph`` default.
+VLLM_FA3_GRAPH_SPLITS = 32
+
+
+def vllm_fa3_scheduler_metadata(fa, spec: DecodeSpec, batch_size: int, max_seqlen_q: int,
+                                max_seqlen_k: int, cache_seqlens: torch.Tensor,
+                                cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """FA3's scheduler metadata as vLLM's FLASH_ATTN_MLA builder makes it under full CUDA
+    graphs (``FlashAttnMLAMetadataBuilder._schedule_decode``; ``fa``: the
+    ``vllm_flash_attn`` interface module)."""
+    return fa.get_scheduler_metadata(
+        batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        num_heads_q=spec.num_heads, num_heads_kv=1, headdim=spec.rope_dim,
+        cache_seqlens=cache_seqlens, qkv_dtype=spec.kv_dtype, headdim_v=spec.kv_lora_rank,
+        cu_seqlens_q=cu_seqlens_q, page_size=spec.block_size, causal=True,
+        num_splits=VLLM_FA3_GRAPH_SPLITS)
+
+
 def vllm_fa3_mla_peer(case: Case) -> Kernel:
     """vLLM's default MLA backend on SM90 with a bf16 cache, ``FLASH_ATTN_MLA``: FA3's MLA
     decode (``vllm_flash_attn.flash_attn_varlen_func`` with ``q_v``) called as
@@ -188,14 +206,10 @@ def vllm_fa3_mla_peer(case: Case) -> Kernel:
         fa = importlib.import_module(VLLM_FA3_MODULE)
     except Exception as exc:
         return Kernel(name, absent=f"import failed: {exc!r}")
-    dc, splits = spec.kv_lora_rank, 32
+    dc, splits = spec.kv_lora_rank, VLLM_FA3_GRAPH_SPLITS
     table, lens = case.batch.block_table, case.batch.seq_lens
     cu = torch.arange(0, b * m + 1, m, dtype=torch.int32, device=case.query.device)
-    meta = fa.get_scheduler_metadata(
-        batch_size=b, max_seqlen_q=m, max_seqlen_k=case.batch.max_seq_len,
-        num_heads_q=spec.num_heads, num_heads_kv=1, headdim=spec.rope_dim,
-        cache_seqlens=lens, qkv_dtype=spec.kv_dtype, headdim_v=dc, cu_seqlens_q=cu,
-        page_size=spec.block_size, causal=True, num_splits=splits)
+    meta = vllm_fa3_scheduler_metadata(fa, spec, b, m, case.batch.max_seq_len, lens, cu)
     q = case.query
 
     def call(cache: torch.Tensor) -> torch.Tensor:

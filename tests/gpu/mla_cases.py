@@ -57,6 +57,21 @@ def with_host_lengths(batch: DecodeBatch) -> DecodeBatch:
                    cu_seqlens_q_host=None if cu is None else cu.cpu())
 
 
+def in_fixed_buffers(template: DecodeBatch):
+    """A function that writes a batch's block table and lengths into two buffers shaped like
+    ``template``'s and returns the batch on them, marked ``DecodeBatch.persistent``: the
+    engine's way (vLLM's model runner rewrites its inputs in place at fixed addresses)."""
+    tables = torch.empty_like(template.block_table)
+    lens = torch.empty_like(template.seq_lens)
+
+    def write(batch: DecodeBatch) -> DecodeBatch:
+        tables.copy_(batch.block_table)
+        lens.copy_(batch.seq_lens)
+        return replace(batch, block_table=tables, seq_lens=lens, persistent=True)
+
+    return write
+
+
 def make_problem(
     *,
     heads: int,

@@ -10,8 +10,6 @@ keeps them), which routes then read directly instead of staging copies.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from mla_cases import (
     bounds,
     capture_decode,
     errors,
+    in_fixed_buffers,
     make_problem,
     reference,
     route_skip_reason,
@@ -69,15 +68,7 @@ def test_graph_replay_after_replan(route: str, schedule: tuple, persistent: bool
     query = first.query.clone()
     out = torch.empty(query.shape[0], 16, 512, dtype=torch.bfloat16, device=device)
 
-    tables = torch.empty_like(first.batch.block_table)
-    lens = torch.empty_like(first.batch.seq_lens)
-
-    def step_batch(batch):
-        if not persistent:
-            return batch
-        tables.copy_(batch.block_table)
-        lens.copy_(batch.seq_lens)
-        return replace(batch, block_table=tables, seq_lens=lens, persistent=True)
+    step_batch = in_fixed_buffers(first.batch) if persistent else (lambda batch: batch)
 
     decoder.plan(step_batch(first.batch))
     graph = capture_decode(decoder, query, cache, out)
@@ -139,13 +130,7 @@ def test_policy_decoder_replays_its_batch_size_route(heads: int, batch: int,
     cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
     query = first.query.clone()
     out = torch.empty(batch, heads, 512, dtype=torch.bfloat16, device=device)
-    tables = torch.empty_like(first.batch.block_table)
-    lens = torch.empty_like(first.batch.seq_lens)
-
-    def engine_batch(b):
-        tables.copy_(b.block_table)
-        lens.copy_(b.seq_lens)
-        return replace(b, block_table=tables, seq_lens=lens, persistent=True)
+    engine_batch = in_fixed_buffers(first.batch)
 
     decoder.plan(engine_batch(first.batch))
     assert decoder.route.name == route, decoder.choice.explain()

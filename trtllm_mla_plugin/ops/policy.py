@@ -224,6 +224,11 @@ def wants_lengths(spec: DecodeSpec, shape: BatchShape) -> bool:
     known, and enough work for FlashMLA to be a candidate."""
     if spec.fp8_kv or shape.max_seq_len is None or shape.lengths is not None:
         return False
+    return _enough_work_for_flashmla(spec, shape)
+
+
+def _enough_work_for_flashmla(spec: DecodeSpec, shape: BatchShape) -> bool:
+    """``FLASHMLA_MIN_WORK``: KV tokens (their bound where unsummed) x 64-row query tiles."""
     kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
     return kv_tokens * query_tiles(spec, shape.max_q_len) >= FLASHMLA_MIN_WORK
 
@@ -295,8 +300,7 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: FlashMLA always ("Under CUDA graphs" above)
         return True
-    kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
-    if kv_tokens * query_tiles(spec, shape.max_q_len) < FLASHMLA_MIN_WORK:
+    if not _enough_work_for_flashmla(spec, shape):
         return False
     if shape.lengths is not None:
         return fa3_plan_imbalance(spec, shape) >= FA3_PLAN_IMBALANCE_FOR_FLASHMLA

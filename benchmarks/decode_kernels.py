@@ -121,6 +121,9 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
         # so policy replays from these rows (evaluate_policy.py) see the engine's cost.
         ks.append(decoder_kernel("flashmla", case, "flashmla", engine_query=True))
         ks.append(decoder_kernel("vllm-fa3-mla", case, "vllm-fa3-mla", cuda_graph=True))
+        if mode == "random":
+            # As an eager decoder runs it: the kernel chooses its KV splits (no graph cap).
+            ks.append(decoder_kernel("vllm-fa3-mla-eager", case, "vllm-fa3-mla"))
     if mode == "train":
         return ks
     if fp8 and mode == "grid":
@@ -134,7 +137,13 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
 
 def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
     """vLLM's bundled FlashMLA ``flash_mla_with_kvcache`` called directly; with ``sort``
-    the requests are reordered longest first (lever (a)) and the output put back."""
+    the requests are reordered longest first (lever (a)) and the output put back.
+
+    As vLLM's FLASHMLA (bf16) runs it: its builder hands each step an empty schedule, which
+    the step's first call fills on the GPU, so a captured graph (here: one step of
+    ``REPS_PER_GRAPH`` calls) starts with FlashMLA's schedule kernel (26 us at h16 b1 on
+    the H200, run 78). Before run 78 this peer filled its schedule once, outside the graph,
+    and its times left that kernel out (2-3 us per call at 10 calls per step)."""
     name = "peer:vllm-flashmla" + ("-sorted" if sort else "")
     spec, b, m = case.spec, case.batch.batch_size, case.q_len
     if spec.fp8_kv or spec.block_size != 64:
@@ -151,11 +160,15 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
         perm = torch.argsort(lens, descending=True)
         table, lens = table[perm].contiguous(), lens[perm].contiguous()
         q_sorted = torch.empty_like(q)
-    meta, _ = fm.get_mla_metadata()
+    step = {"meta": fm.get_mla_metadata()[0], "capturing": False}
     out4 = torch.empty(b, m, spec.num_heads, spec.kv_lora_rank, dtype=q.dtype, device=q.device)
     out = torch.empty_like(out4)
 
     def call(cache: torch.Tensor) -> torch.Tensor:
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and not step["capturing"]:
+            step["meta"] = fm.get_mla_metadata()[0]  # a new step: FlashMLA schedules anew
+        step["capturing"] = capturing
         qq = q
         if perm is not None:
             torch.index_select(q, 0, perm, out=q_sorted)
@@ -164,7 +177,7 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
         # (FlashMLA's ``out=`` fails for q_len > 1).
         result, _ = fm.flash_mla_with_kvcache(
             q=qq, k_cache=cache.unsqueeze(-2), block_table=table, cache_seqlens=lens,
-            head_dim_v=spec.kv_lora_rank, tile_scheduler_metadata=meta,
+            head_dim_v=spec.kv_lora_rank, tile_scheduler_metadata=step["meta"],
             softmax_scale=spec.softmax_scale, causal=True, out=out4 if m == 1 else None,
         )
         if perm is not None:

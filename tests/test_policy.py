@@ -117,7 +117,7 @@ SPLITK_CASES = [
     # one 64k request among 95 of 2k (26% of the tokens): the ranking below (run 52: 0.75x)
     (16, 64, BatchShape(96, 1, 64 * K, 64 * K + 95 * 2 * K), "flashmla"),
     (16, 64, shape(47, 16 * K, 8 * K), "flashmla"),  # below 48 requests: the rules before
-    (16, 64, shape(32, 4 * K, 2 * K), "flashinfer-fa3"),
+    (16, 64, shape(32, 4 * K, 2 * K), "vllm-fa3-mla"),  # below 48: the small-batch rule
     (16, 32, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),  # 32-token pages: not measured
     (32, 64, shape(128, 8 * K, 4 * K), "flashinfer-fa3"),  # 32 rows: two row groups, slower
     (8, 64, shape(155, 2400, 2376), "flashinfer-fa3"),  # 8 rows: 368k tokens but uniform
@@ -217,8 +217,11 @@ def test_kv_tokens_only_counted_when_it_matters():
     (128, shape(2, 20 * K, 12 * K, q=4)),
 ])
 def test_flashmla_needs_enough_work(kernels_present, heads, batch):
+    """Below FLASHMLA_MIN_WORK an FA3 kernel goes first (vLLM's for small one-token
+    batches, ``hopper_prefers_vllm_fa3``)."""
+    expected = "vllm-fa3-mla" if batch.max_q_len == 1 else "flashinfer-fa3"
     assert choose_route(spec(heads, q_len=batch.max_q_len), H200,
-                        shape=batch).name == "flashinfer-fa3"
+                        shape=batch).name == expected
 
 
 def test_sort_needs_long_enough_requests():
@@ -310,8 +313,8 @@ def test_decoder_takes_triton_for_large_fp8_batches(without_flashmla_fp8, monkey
 def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):
     dec, stubs = stub_decoder(monkeypatch, heads=16)
     dec.plan(batch([8 * K, 2 * K] * 64))
-    dec.plan(batch([4 * K, 1 * K] * 16))
-    assert stubs["flashinfer-fa3"].plans == [(128, True), (32, False)]
+    dec.plan(batch([4 * K, 1 * K] * 16 + [1 * K]))
+    assert stubs["flashinfer-fa3"].plans == [(128, True), (33, False)]
 
 
 def test_cuda_graph_decoder_picks_by_batch_size_only(kernels_present, monkeypatch):
@@ -523,7 +526,9 @@ def test_splitk_eager_rule_leaves_one_long_request_to_the_ranking_below(splitk_p
 def test_splitk_rule_holds_on_every_timed_shape(files):
     """Where the rule picks the split-KV kernel: with lengths known (eager) it ran at least
     as fast as the best peer on every timed shape; under CUDA graphs (batch size only) at
-    least 0.98x FlashMLA, the route it displaces, and faster on geometric mean."""
+    least 0.94x FlashMLA, the route it displaces (timed as the engine runs it, its schedule
+    kernel once per step: h8 b152 7.5k uniform q2 0.944, seed 8), and faster on geometric
+    mean."""
     eager, graph = [], []
     for r, t in _splitk_timed_shapes(files):
         heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
@@ -536,7 +541,7 @@ def test_splitk_rule_holds_on_every_timed_shape(files):
             graph.append(t["peer:vllm-flashmla"] / t["route:cuda-splitk"])
     assert len(eager) >= 6 and len(graph) >= 8, (len(eager), len(graph))
     assert min(eager) >= 1.0, eager
-    assert min(graph) >= 0.98, graph
+    assert min(graph) >= 0.94, graph
     assert sum(math.log(g) for g in graph) > 0
 
 
@@ -609,17 +614,75 @@ def test_eager_decoder_reads_lengths_only_from_exact_host_lengths(kernels_presen
     assert not policy.wants_lengths(spec(8, kv=FP8), BatchShape(78, 1, 9850, 78 * 9850))
 
 
+@pytest.mark.parametrize(("heads", "batch", "expected"), [
+    (16, shape(2, 16 * K, 8 * K), "vllm-fa3-mla"),  # run 76: h16 b2 16k 1.25x
+    (16, shape(32, 4 * K), "vllm-fa3-mla"),
+    (16, shape(33, 4 * K), "flashinfer-fa3"),  # beyond VLLM_FA3_EAGER_MAX_BATCH
+    (16, shape(2, 1 * K), "flashinfer-fa3"),  # 2k KV tokens: FlashInfer's kernel kept pace
+    (16, shape(2, 16 * K, 8 * K, q=2), "flashinfer-fa3"),  # several query tokens
+    (8, BatchShape(29, 1, 60000, 3 * 60000 + 26 * 8000,
+                   lengths=(60000,) * 3 + (8000,) * 26), "flashmla"),  # FA3 plan 1.75
+])
+def test_eager_small_batches_take_vllm_fa3(kernels_present, heads, batch, expected):
+    """With lengths known, vLLM's FA3 MLA kernel goes ahead of FlashInfer FA3 for one-token
+    batches of at most 32 requests and at least 4096 KV tokens, unless FA3's plan would be
+    imbalanced enough for FlashMLA."""
+    s = spec(heads, q_len=batch.max_q_len)
+    assert choose_route(s, H200, shape=batch).name == expected
+
+
+def test_small_batch_kv_tokens_are_counted_where_they_decide():
+    """The sum decides the small-batch rule only between the longest request and the bound."""
+    assert policy.wants_kv_tokens(spec(16), BatchShape(8, 1, 1000))  # 1000 <= sum <= 8000
+    assert not policy.wants_kv_tokens(spec(16), BatchShape(8, 1, 5000))  # >= 4096 anyway
+    assert not policy.wants_kv_tokens(spec(16), BatchShape(2, 1, 1000))  # < 4096 anyway
+    assert not policy.wants_kv_tokens(spec(16), BatchShape(8, 2, 1000))  # two query tokens
+
+
+def test_eager_decoder_counts_small_batches(kernels_present, monkeypatch):
+    dec, _ = stub_decoder(monkeypatch, heads=16)
+    dec.plan(batch([1000] * 8, kv_tokens=False))
+    assert dec.route.name == "vllm-fa3-mla"
+    dec.plan(batch([400] * 8, kv_tokens=False))
+    assert dec.route.name == "flashinfer-fa3"
+
+
+def test_flashmla_needs_long_enough_requests_on_average():
+    """Run 76 (seed 12), h128 b286 averaging 339 tokens with three query tokens: FA3's plan
+    is imbalanced past the threshold, yet FlashInfer FA3 ran 1.55x faster than FlashMLA
+    (FlashMLA's cost per request); the mean-length floor keeps FA3."""
+    import json
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "bench-2026-12-01"
+    name = "h128 b286 467 r0.51 q3 bf16 p64"
+    lens = next(json.loads(line)["lens"] for line in
+                (root / "run76-shapes.jsonl").read_text().splitlines()
+                if json.loads(line)["shape"] == name)
+    s = spec(128, q_len=3)
+    b = BatchShape(len(lens), 3, max(lens), sum(lens), lengths=tuple(lens))
+    assert sum(lens) < policy.FLASHMLA_MIN_MEAN_LEN * len(lens)
+    assert policy.fa3_plan_imbalance(s, b) >= policy.FA3_PLAN_IMBALANCE_FOR_FLASHMLA
+    assert policy.rank(s, H200, b)[0] == "flashinfer-fa3"
+
+
 @pytest.mark.parametrize("files,floor", [
     (["run46-random-1.csv", "run46-random-2.csv", "run46-random-3.csv", "run47-random-4.csv",
       "run47-random-5.csv", "run48-random-6.csv", "run48-random-7.csv",
       "run48-random-8.csv"], 0.99),  # fitted on (seeds 1-8, FA3 and FlashMLA as peers)
     (["run52-random-9.csv"], 0.96),  # not fitted on (seed 9, every peer)
-], ids=["fit", "fresh"])
+    (["run77-random-13.csv", "run77-random-14.csv", "run77-random-15.csv",
+      "run78-random-16.csv", "run78-random-17.csv", "run79-random-18.csv",
+      "run79-random-19.csv"], 0.97),  # seeds 13-19: not fitted on by any eager rule
+    (["run80-random-20.csv", "run80-random-21.csv"], 0.97),  # measured after every fit
+], ids=["fit", "fresh", "check-13-19", "fresh-20-21"])
 def test_eager_rule_scores_on_the_measured_shapes(files, floor):
     """The eager rule (FA3's plan imbalance deciding FlashInfer FA3 against FlashMLA) replayed
     on measured bf16 shapes: geometric mean of the best peer's time over the chosen route's
-    at least ``floor`` (the rule of max length and spread before it: 0.985 and 0.955), and
-    no bf16 grid shape (runs 46, 52) under 0.95 of the best peer (before: 0.78)."""
+    at least ``floor`` (the rule of max length and spread before it: 0.985 and 0.955; seeds
+    13-19 and 20-21 before the small-batch vLLM FA3 rule and the mean-length floor: 0.968
+    and 0.957, after: 0.977 and 0.975), and no bf16 grid shape (runs 46, 52) under 0.95 of
+    the best peer (before: 0.78). Run 46's grid has no vLLM FA3 rows, so its small
+    one-token batches, which that kernel now takes, are not scored."""
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "benchmarks"))
     import json
@@ -640,4 +703,4 @@ def test_eager_rule_scores_on_the_measured_shapes(files, floor):
     assert math.exp(sum(math.log(x) for x in measured) / len(measured)) >= floor
     grid = (scores("run46-shapes.jsonl", ["run46-decode.csv"])
             + scores("run52-shapes.jsonl", ["run52-decode.csv"]))
-    assert len(grid) >= 17 and min(grid) >= 0.95, sorted(grid)[:3]
+    assert len(grid) >= 14 and min(grid) >= 0.95, sorted(grid)[:3]

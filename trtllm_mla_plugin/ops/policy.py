@@ -31,11 +31,10 @@ SPLITK = "cuda-splitk"
 BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 # SM90: FlashInfer FA3 (with length-sorted requests) by default; FlashMLA first for the
 # batches of ``hopper_prefers_flashmla`` (under CUDA graphs: every batch but those of
-# ``hopper_prefers_vllm_fa3``, which go to vLLM's FA3 MLA kernel).
-# With lengths known (enforce_eager) FlashInfer FA3 keeps the small batches despite its
-# host plan: ranked first for them, vLLM's FA3 kernel (plan 0.5 ms against 2.3 ms, profiled)
-# left the eager engine's decode step unchanged (run 61: h16 b32, 24 layers, two paired
-# rounds, 1.000), and its kernel trails FlashInfer's by a few us per layer.
+# ``hopper_prefers_vllm_fa3``, which go to vLLM's FA3 MLA kernel). With lengths known
+# (enforce_eager), vLLM's FA3 kernel also takes the small one-token batches of
+# ``hopper_prefers_vllm_fa3`` (its plan: 0.5 ms of host time against FlashInfer FA3's
+# 2.3 ms, profiled).
 HOPPER = (FA3, FLASHMLA, VLLM_FA3, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, VLLM_FA3, FA2, REFERENCE)
 HOPPER_VLLM_FA3_FIRST = (VLLM_FA3, FLASHMLA, FA3, FA2, REFERENCE)
@@ -68,6 +67,12 @@ TRITON_FP8_MAX_Q_LEN = 1
 #: 0.95: 38 -> 19), 0.955 -> 0.961, 0.996 -> 1.010 (grid shapes under 0.95: 1 -> 0), against
 #: the rule of max length, spread and head count below (``evaluate_policy.py``).
 FA3_PLAN_IMBALANCE_FOR_FLASHMLA = 1.3
+#: ... and only for batches whose requests average at least this many KV tokens: FlashMLA's
+#: fixed cost per request outweighs FA3's imbalance on short ones (h128 b286 mean 339 q3:
+#: FA3 1.55x faster at imbalance 1.34; h128 b52 mean 1217 q4: 1.20x at 1.33). Replayed
+#: (``evaluate_policy.py``, best of the plugin's routes): seeds 1-12 geomean 0.9758 ->
+#: 0.9776 (1536-2048 alike), seeds 13-19 0.9680 -> 0.9727.
+FLASHMLA_MIN_MEAN_LEN = 2048
 #: SMs of the H100 SXM and H200 (FlashInfer's MLA planner spreads work over one cluster per
 #: SM, or per SM pair when a request's query rows take two-CTA clusters).
 HOPPER_SMS = 132
@@ -124,6 +129,18 @@ VLLM_FA3_GRAPH_MAX_ROWS = 2048
 #: after the fit), ran 12% faster on FlashMLA. Fitted on seeds 1-4 (geomean against vLLM's
 #: kernel 1.053 -> 1.063), checked on seed 7 (0.960 -> 0.983).
 VLLM_FA3_GRAPH_MAX_REQUEST_ROWS = 8
+#: With lengths known (eager decoders), vLLM's FA3 MLA kernel goes ahead of FlashInfer FA3
+#: for batches of at most this many requests with one query token each ...
+VLLM_FA3_EAGER_MAX_BATCH = 32
+#: ... and at least this many KV tokens in all (below it FlashInfer's kernel kept pace:
+#: h32 b1 276 tokens 0.91x, h16 b2 503 tokens 0.93x). Where FA3's planner leaves too much
+#: imbalance FlashMLA stays first (``hopper_prefers_flashmla``). Fitted on seeds 1-4 and
+#: 9-12 (runs 23, 52, 73, 76; bf16 batches the ranking gave FlashInfer FA3, searched over
+#: batch, rows per request, query length and KV-token bounds): 45 shapes switched, 34
+#: faster (h8 b2 9.6k ragged 1.13x, h16 b2 16k 1.25x, h128 b9 0.7k 1.26x). Checked on
+#: seeds 13-19 (runs 77-79), not fitted on: 66 switched, 41 faster, geomean 1.027 over
+#: them; worst 0.855 (seed 15), two seeds of seven 0.992 / 0.999 over their switched shapes.
+VLLM_FA3_EAGER_MIN_KV_TOKENS = 4096
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: more than VLLM_FA3_GRAPH_MAX_REQUEST_ROWS and at most this many query rows per request
 #: (heads x query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and
@@ -211,11 +228,17 @@ class BatchShape:
 def wants_kv_tokens(spec: DecodeSpec, shape: BatchShape) -> bool:
     """Whether ``kv_tokens`` could change the SM90 choice for ``shape`` (so a caller without
     it should count it): when the lengths are known but not their sum, and the batch is
-    large enough for the FlashMLA and sort rules to apply."""
+    large enough for the FlashMLA and sort rules to apply, or a small one-token batch whose
+    sum alone decides vLLM's FA3 rule (``hopper_prefers_vllm_fa3``)."""
     del spec
     if shape.max_seq_len is None or shape.kv_tokens is not None:
         return False
-    return shape.batch_size * shape.max_seq_len >= KV_TOKENS_WORTH_COUNTING
+    bound = shape.batch_size * shape.max_seq_len
+    if bound >= KV_TOKENS_WORTH_COUNTING:
+        return True
+    # vLLM's FA3 rule for small one-token batches: only the sum can tell.
+    return (shape.batch_size <= VLLM_FA3_EAGER_MAX_BATCH and shape.max_q_len == 1
+            and shape.max_seq_len < VLLM_FA3_EAGER_MIN_KV_TOKENS <= bound)
 
 
 def wants_lengths(spec: DecodeSpec, shape: BatchShape) -> bool:
@@ -282,6 +305,16 @@ def fa3_plan_imbalance(spec: DecodeSpec, shape: BatchShape, sms: int = HOPPER_SM
     return max(loads) / even
 
 
+def _kv_tokens_at_least(shape: BatchShape, tokens: int) -> bool:
+    """Whether the batch holds at least ``tokens`` KV tokens: from ``kv_tokens`` or the
+    lengths where known, else from the longest request (a lower bound)."""
+    if shape.kv_tokens is not None:
+        return shape.kv_tokens >= tokens
+    if shape.lengths is not None:
+        return sum(shape.lengths) >= tokens
+    return (shape.max_seq_len or 0) >= tokens
+
+
 def _ragged(shape: BatchShape) -> bool:
     spread = shape.spread
     return spread is not None and spread >= RAGGED_SPREAD
@@ -303,6 +336,8 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if not _enough_work_for_flashmla(spec, shape):
         return False
     if shape.lengths is not None:
+        if sum(shape.lengths) < FLASHMLA_MIN_MEAN_LEN * shape.batch_size:
+            return False
         return fa3_plan_imbalance(spec, shape) >= FA3_PLAN_IMBALANCE_FOR_FLASHMLA
     if spec.num_heads >= FLASHMLA_MANY_HEADS:
         return shape.max_seq_len >= FLASHMLA_LONG_SEQ or _ragged(shape)
@@ -312,11 +347,18 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
 
 
 def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
-    """The SM90 CUDA-graph rule: vLLM's FA3 MLA kernel ahead of FlashMLA for batches of at
-    most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows,
-    and for every batch of at most ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request."""
-    if shape is None or shape.max_seq_len is not None:
+    """The SM90 rule for vLLM's FA3 MLA kernel. Under CUDA graphs (no lengths): ahead of
+    FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
+    ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, and for every batch of at most
+    ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths: ahead of FlashInfer
+    FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH`` requests and at least
+    ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens, unless FlashMLA goes first."""
+    if shape is None:
         return False
+    if shape.max_seq_len is not None:
+        return (shape.batch_size <= VLLM_FA3_EAGER_MAX_BATCH and shape.max_q_len == 1
+                and _kv_tokens_at_least(shape, VLLM_FA3_EAGER_MIN_KV_TOKENS)
+                and not hopper_prefers_flashmla(spec, shape))
     request_rows = spec.num_heads * shape.max_q_len
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True

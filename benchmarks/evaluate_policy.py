@@ -17,6 +17,9 @@ vLLM's FLASHMLA is scored by the ``flashmla`` row where the file has one: the ro
 FlashMLA's kernels as that backend does, its schedule kernel once per step (per graph of
 calls), while ``peer:vllm-flashmla`` rows timed before run 78 left the schedule kernel out
 (run 78: 2-3 us per call less than vLLM's FLASHMLA spends; the route within 0.5 us of it).
+Eager picks of vLLM's FA3 kernel are scored by the ``vllm-fa3-mla-eager`` row where the
+file has one (no cap on its KV splits, as an eager decoder runs it; run 80 on), else by
+the capped ``vllm-fa3-mla`` row (0.999 of the uncapped time over run 80's 82 shapes).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The benchmarks' bookkeeping, on the CPU: the decode-step summary of a profiler trace
 (``profile_engine_step.summarize``), the per-round backend order of ``bench_engine`` and the
-alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``, and the paired
-engine ratios of ``summarize_engine``."""
+alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``, the paired
+engine ratios of ``summarize_engine``, and how the FlashMLA peer is timed and scored."""
 
 from __future__ import annotations
 
@@ -399,3 +399,58 @@ def test_engines_run_with_cuda_graphs_unless_eager(monkeypatch, eager):
     else:
         assert "enforce_eager" not in seen
         assert seen["compilation_config"]["cudagraph_capture_sizes"] == [8, 32]
+
+
+def test_flashmla_peer_schedules_once_per_captured_step(monkeypatch):
+    """vLLM's FLASHMLA hands each step an empty FlashMLA schedule that the step's first
+    layer fills on the GPU (inside the captured graph). The bench's peer does the same once
+    per captured graph of calls (one step) and reuses it within; before run 80 it filled one
+    schedule outside the graph and left FlashMLA's 26 us schedule kernel out (run 78)."""
+    import types
+
+    import decode_kernels
+
+    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec
+
+    made, used = [], []
+
+    def get_mla_metadata():
+        made.append(object())
+        return made[-1], None
+
+    def flash_mla_with_kvcache(**kw):
+        used.append(kw["tile_scheduler_metadata"])
+        return torch.zeros(2, 1, 16, 512), None
+
+    fake = types.SimpleNamespace(get_mla_metadata=get_mla_metadata,
+                                 flash_mla_with_kvcache=flash_mla_with_kvcache)
+    monkeypatch.setattr(decode_kernels, "importlib",
+                        types.SimpleNamespace(import_module=lambda name: fake))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    spec = DecodeSpec(16, 512, 64, 64, torch.bfloat16, torch.bfloat16, 0.1)
+    batch = DecodeBatch(torch.zeros(2, 4, dtype=torch.int32),
+                        torch.tensor([100, 200], dtype=torch.int32), 200)
+    case = decode_kernels.Case("h16 b2", spec, batch, torch.zeros(2, 16, 576), [], [100, 200], 1)
+    peer = decode_kernels.flashmla_peer(case)
+    cache = torch.zeros(4, 64, 576)
+    for phase in (False, False, True, True, True, False, True, True):  # warm-up, 2 graphs
+        capturing[0] = phase
+        assert peer.call(cache).shape == (2, 16, 512)
+    assert len(made) == 3
+    assert used == [made[0]] * 2 + [made[1]] * 3 + [made[1]] + [made[2]] * 2
+
+
+def test_policy_scores_flashmla_as_the_engine_runs_it(tmp_path):
+    """``evaluate_policy`` scores vLLM's FLASHMLA by the plugin's ``flashmla`` row (FlashMLA's
+    schedule kernel once per step, as vLLM runs it), not by peer rows that left it out."""
+    import evaluate_policy
+
+    path = tmp_path / "random-1.csv"
+    path.write_text("pass_no,shape,kernel,status,us,kv\n"
+                    "1,s,flashmla,ok,20.0,bf16\n"
+                    "1,s,peer:vllm-flashmla,ok,17.0,bf16\n"
+                    "1,s,peer:vllm-fa3-mla,ok,18.0,bf16\n")
+    rows = evaluate_policy.timed_rows(str(path))["s"]
+    assert float(rows["peer:vllm-flashmla"]["us"]) == 20.0
+    assert float(rows["vllm-fa3-mla"]["us"]) == 18.0  # stood in for by vLLM's FA3 peer

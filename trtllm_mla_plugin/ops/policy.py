@@ -352,13 +352,13 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, and for every batch of at most
     ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths: ahead of FlashInfer
     FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH`` requests and at least
-    ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens, unless FlashMLA goes first."""
+    ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts FlashMLA first where its
+    rule, which then decides first, takes the batch)."""
     if shape is None:
         return False
     if shape.max_seq_len is not None:
         return (shape.batch_size <= VLLM_FA3_EAGER_MAX_BATCH and shape.max_q_len == 1
-                and _kv_tokens_at_least(shape, VLLM_FA3_EAGER_MIN_KV_TOKENS)
-                and not hopper_prefers_flashmla(spec, shape))
+                and _kv_tokens_at_least(shape, VLLM_FA3_EAGER_MIN_KV_TOKENS))
     request_rows = spec.num_heads * shape.max_q_len
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
@@ -437,9 +437,13 @@ def rank(
     if major == 9:
         if spec.fp8_kv:
             return HOPPER_FP8_FEW_HEADS if hopper_prefers_triton(spec, shape) else HOPPER_FP8
-        if hopper_prefers_vllm_fa3(spec, shape):
+        flashmla = hopper_prefers_flashmla(spec, shape)
+        # Without lengths (CUDA graphs) vLLM's FA3 rule decides before FlashMLA's, which
+        # takes every other batch there; with lengths FlashMLA's rule decides first.
+        lengths_known = shape is not None and shape.max_seq_len is not None
+        if hopper_prefers_vllm_fa3(spec, shape) and not (lengths_known and flashmla):
             return HOPPER_VLLM_FA3_FIRST
-        ranking = HOPPER_FLASHMLA_FIRST if hopper_prefers_flashmla(spec, shape) else HOPPER
+        ranking = HOPPER_FLASHMLA_FIRST if flashmla else HOPPER
         return (SPLITK, *ranking) if hopper_prefers_splitk(spec, shape) else ranking
     if platform.capability >= (8, 0):
         return AMPERE_ADA

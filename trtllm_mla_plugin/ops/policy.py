@@ -336,7 +336,7 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if not _enough_work_for_flashmla(spec, shape):
         return False
     if shape.lengths is not None:
-        if sum(shape.lengths) < FLASHMLA_MIN_MEAN_LEN * shape.batch_size:
+        if not _kv_tokens_at_least(shape, FLASHMLA_MIN_MEAN_LEN * shape.batch_size):
             return False
         return fa3_plan_imbalance(spec, shape) >= FA3_PLAN_IMBALANCE_FOR_FLASHMLA
     if spec.num_heads >= FLASHMLA_MANY_HEADS:

@@ -5,12 +5,14 @@ FlashMLA takes a uniform query ``[batch, q_len, heads, Dc + Dr]``, 64-token page
 bf16/fp16 cache of the query's dtype (FP8 caches go to ``flashmla-fp8``, another entry point).
 Ragged query lengths are padded (``RightAlignedQuery``).
 
-Scheduling metadata is created per step in ``plan`` and filled by the first ``run`` of the
-step (FlashMLA computes it on the device from the sequence lengths), then reused by the
-other layers. While a CUDA graph is being captured, ``run`` starts from fresh metadata (once
-per plan) so that the metadata kernel itself is captured and every replay recomputes the
-schedule from the persistent ``seq_lens`` buffer; reusing metadata filled by an eager
-warm-up run would bake the warm-up step's split of the KV into the graph.
+The split-KV schedule is the plugin's (``kernels.flashmla_schedule``: FlashMLA's contract
+and load bound, every SM part at once) in persistent buffers handed to FlashMLA's
+``dense_decode_fwd``; left to itself FlashMLA schedules with a one-warp kernel that takes
+25.8 us per step (docs/benchmarks.md, run 78). The schedule is launched by the first ``run``
+of a step and reused by the other layers. While a CUDA graph is being captured, ``run``
+launches it once per plan, so the graph recomputes the schedule from the persistent
+``seq_lens`` on every replay; reusing one computed by an eager warm-up run would bake the
+warm-up step's split of the KV into the graph.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from ..spec import DecodeBatch, DecodeSpec, KVScales
 from .base import DecodeRoute, StagedTables, check_unit_scales, module_available
 
 FLASHMLA_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
+#: Rows of ``tile_scheduler_metadata``: FlashMLA's ``num_sm_parts`` for 64-row query tiles.
+FLASHMLA_ROWS_PER_PART = 64
 #: FlashMLA's page size and the (kv_lora_rank, rope_dim) its kernels are compiled for.
 FLASHMLA_BLOCK_SIZE = 64
 FLASHMLA_DIMS = (512, 64)
@@ -130,26 +134,51 @@ class FlashMLARoute(DecodeRoute):
         super().__init__(spec, device, max_batch_size, cuda_graph)
         import importlib
 
-        self._fm = importlib.import_module(FLASHMLA_MODULE)
+        from ..kernels.flashmla_schedule import SCHED_META_INTS, flashmla_schedule
+
+        self._schedule_kernel = flashmla_schedule
+        # Importing the interface loads vLLM's ``_flashmla_C`` extension and its ops.
+        importlib.import_module(FLASHMLA_MODULE)
+        self._decode = torch.ops._flashmla_C.dense_decode_fwd
         self._tables = StagedTables(max_batch_size, device)
         self._query = RightAlignedQuery(spec, max_batch_size, spec.q_dtype, device)
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+        #: The step's schedule: FlashMLA's ``DecodingSchedMeta`` rows (one per SM part) and
+        #: ``num_splits``, with its kernel's scratch (request ends, boundary owners).
+        #: Persistent: a captured graph rewrites them in place on every replay.
+        self._tile_metadata = torch.zeros(self._sms, SCHED_META_INTS, dtype=torch.int32,
+                                          device=device)
+        self._num_splits = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
+        self._scratch = torch.zeros(max_batch_size + self._sms + 1, dtype=torch.int32,
+                                    device=device)
         self._batch: DecodeBatch | None = None
-        self._meta = None
-        self._capture_meta = None
+        self._scheduled = self._capture_scheduled = False
+
+    def num_sm_parts(self, q_len: int) -> int:
+        """FlashMLA's SM parts for ``q_len`` query tokens per request (its decode checks the
+        schedule's shape against the same formula)."""
+        tiles = -(-q_len * self.spec.num_heads // FLASHMLA_ROWS_PER_PART)
+        return max(self._sms // tiles, 1)
 
     def plan(self, batch: DecodeBatch) -> None:
         self._block_table, self._seq_lens = self._tables.stage(batch)
         self._query.plan(batch)
-        self._meta, _ = self._fm.get_mla_metadata()
-        self._capture_meta = None
+        b = batch.batch_size
+        self._schedule = (self._tile_metadata[: self.num_sm_parts(batch.max_q_len)],
+                          self._num_splits[: b + 1])
+        self._scheduled = self._capture_scheduled = False
         self._batch = batch
 
-    def _schedule(self) -> object:
-        if not torch.cuda.is_current_stream_capturing():
-            return self._meta
-        if self._capture_meta is None:
-            self._capture_meta, _ = self._fm.get_mla_metadata()
-        return self._capture_meta
+    def _ensure_schedule(self) -> None:
+        """Launch the step's schedule once per plan, and once more inside a capture."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self._capture_scheduled if capturing else self._scheduled:
+            return
+        self._schedule_kernel(self._seq_lens, *self._schedule, self._scratch)
+        if capturing:
+            self._capture_scheduled = True
+        else:
+            self._scheduled = True
 
     def run(
         self,
@@ -166,19 +195,15 @@ class FlashMLARoute(DecodeRoute):
         # q_len > 1 on the H200, docs/benchmarks.md).
         direct = (out is not None and m == 1 and not self._query.ragged
                   and out.is_contiguous() and out.dtype == q.dtype)
-        result, _ = self._fm.flash_mla_with_kvcache(
-            q=q,
-            k_cache=kv_cache.unsqueeze(-2),
-            block_table=self._block_table,
-            cache_seqlens=self._seq_lens,
-            head_dim_v=spec.kv_lora_rank,
-            tile_scheduler_metadata=self._schedule(),
-            softmax_scale=spec.softmax_scale,
+        self._ensure_schedule()
+        result, *_ = self._decode(
+            q, kv_cache.unsqueeze(-2), spec.kv_lora_rank, self._seq_lens, self._block_table,
+            spec.softmax_scale,
             # The same math for one query token per request; vLLM passes True, and the mask
             # costs FlashMLA time at q_len 1 (docs/benchmarks.md, run 19).
-            causal=m > 1,
-            is_fp8_kvcache=False,
-            out=out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,
+            m > 1,
+            *self._schedule,
+            out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,
         )
         if direct:
             return out

@@ -1,0 +1,140 @@
+"""FlashMLA's dense-decode tile schedule, independently of the plugin's kernel: its own
+scheduler (``get_mla_metadata_kernel``) transcribed as a sequential walk, and a checker of
+what FlashMLA's decode and combine kernels need from any schedule. Imported by
+tests/test_flashmla_schedule_cpu.py and tests/gpu/test_decode_routes_gpu.py; run as a
+script (``TRITON_INTERPRET=1``) it checks the plugin's kernel under Triton's interpreter."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+PAGE, OVERHEAD = 64, 5
+FIELDS = ("begin_req", "end_req", "begin_block", "end_block", "begin_split", "first_split",
+          "last_split")
+
+
+def blocks(lens: list[int]) -> list[int]:
+    return [(max(n, 1) - 1) // PAGE + 1 for n in lens]
+
+
+def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[int]]:
+    """FlashMLA's own schedule (its metadata kernel's walk over parts), rows of
+    ``DecodingSchedMeta`` without the padding int, and ``num_splits``."""
+    nb = blocks(lens)
+    b = len(nb)
+    payload = -(-sum(n + OVERHEAD for n in nb) // parts) + OVERHEAD
+    req = block = split = cum = 0
+    splits, rows = [0], []
+    for _ in range(parts):
+        row = [req, 0, block, 0, split, int(block != 0), 0]
+        remain = payload
+        while req < b:
+            left = nb[req] - block
+            if remain >= left + OVERHEAD:
+                cum += split + 1
+                splits.append(cum)
+                remain -= left + OVERHEAD
+                req, block, split = req + 1, 0, 0
+            else:
+                if remain - OVERHEAD > 0:
+                    block += remain - OVERHEAD
+                    split += 1
+                break
+        row[1] = req if block > 0 else req - 1
+        row[3] = block if block > 0 else nb[req - 1]
+        row[6] = int(row[3] != nb[row[1]])
+        if row[0] == row[1]:
+            row[5] = row[6] = row[5] | row[6]
+        rows.append(row)
+    return rows, splits
+
+
+def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int]) -> int:
+    """Assert that ``rows``/``splits`` are a schedule FlashMLA's kernels compute correctly
+    with: every KV block of every request in exactly one part, non-empty ranges, a request's
+    pieces numbered ``0..n-1`` with ``n = splits[r + 1] - splits[r]``, written unsplit
+    exactly when ``n == 1``. Returns the largest part's cost in blocks (blocks plus
+    ``OVERHEAD`` per request piece)."""
+    nb = blocks(lens)
+    b = len(nb)
+    assert len(splits) == b + 1 and splits[0] == 0
+    covered = [[0] * n for n in nb]
+    pieces: list[list[tuple[int, bool]]] = [[] for _ in nb]
+    worst = 0
+    for row in rows:
+        first_req, last_req, first_block, last_block, first_split, split_a, split_z = row[:7]
+        if first_req >= b:
+            continue
+        assert first_req <= last_req < b, row
+        cost = 0
+        for r in range(first_req, last_req + 1):
+            lo = first_block if r == first_req else 0
+            hi = last_block if r == last_req else nb[r]
+            assert 0 <= lo < hi <= nb[r], (row, r)
+            for k in range(lo, hi):
+                covered[r][k] += 1
+            unsplit = (not split_a if r == first_req
+                       else not split_z if r == last_req else True)
+            pieces[r].append((first_split if r == first_req else 0, unsplit))
+            cost += hi - lo + OVERHEAD
+        worst = max(worst, cost)
+    for r in range(b):
+        assert covered[r] == [1] * nb[r], f"request {r}: blocks covered {covered[r]}"
+        n = splits[r + 1] - splits[r]
+        assert n == len(pieces[r]), (r, n, pieces[r])
+        if n == 1:
+            assert pieces[r][0][1], f"request {r} has one piece but is written as split"
+        else:
+            assert not any(unsplit for _, unsplit in pieces[r]), r
+            assert sorted(i for i, _ in pieces[r]) == list(range(n)), (r, pieces[r])
+    return worst
+
+
+def random_lens(rng: random.Random) -> tuple[list[int], int]:
+    b = rng.choice([1, 2, 3, 7, 16, 33, 64, 129, 200, 257, 512])
+    longest = rng.choice([1, 63, 64, 65, 300, 1000, 4096, 16000, 65536])
+    lens = [longest if rng.random() < 0.4 else rng.randint(1, longest) for _ in range(b)]
+    parts = rng.choice([132, 66, 44, 33, 16, 11, 8, 1])
+    return lens, parts
+
+
+def plugin_schedule(lens: list[int], parts: int, device: str = "cpu"):
+    import torch
+
+    from trtllm_mla_plugin.ops.kernels.flashmla_schedule import flashmla_schedule
+
+    meta = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
+    splits = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=device)
+    scratch = torch.full((len(lens) + parts + 1,), -7, dtype=torch.int32, device=device)
+    flashmla_schedule(torch.tensor(lens, dtype=torch.int32, device=device), meta, splits,
+                      scratch)
+    return meta.cpu().tolist(), splits.cpu().tolist()
+
+
+def main(cases: int) -> int:
+    rng = random.Random(11)
+    over = 0
+    ratios = []
+    for i in range(cases):
+        lens, parts = random_lens(rng)
+        rows, splits = plugin_schedule(lens, parts)
+        worst = check_schedule(lens, rows, splits)
+        greedy_worst = check_schedule(lens, *flashmla_greedy(lens, parts))
+        bound = -(-sum(n + OVERHEAD for n in blocks(lens)) // parts) + OVERHEAD
+        assert worst <= bound, (i, worst, bound)
+        assert all(row[7] == 0 for row in rows)
+        over += worst > greedy_worst
+        ratios.append(splits[-1] / flashmla_greedy(lens, parts)[1][-1])
+    ratios.sort()
+    print(f"schedule: {cases} cases valid, within FlashMLA's bound; "
+          f"{over} with a larger busiest part than FlashMLA's own; pieces / FlashMLA's: "
+          f"median {ratios[len(ratios) // 2]:.2f}, 90th percentile "
+          f"{ratios[len(ratios) * 9 // 10]:.2f}, max {ratios[-1]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 60))

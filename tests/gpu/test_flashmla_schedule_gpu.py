@@ -1,0 +1,131 @@
+"""The FlashMLA route's own schedule (``kernels.flashmla_schedule``) on the GPU: its layout
+against the schedule vLLM's FlashMLA extension computes for itself, its validity on random
+batches, and the route on it against the float64 reference and against FlashMLA on its own
+schedule (vLLM's FLASHMLA call)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops import MLADecoder
+
+from mla_cases import HEAD_DIM, bounds, errors, make_problem, reference, route_skip_reason
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flashmla_schedule_cases import (
+    OVERHEAD,
+    blocks,
+    check_schedule,
+    flashmla_greedy,
+    plugin_schedule,
+    random_lens,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+BF16 = torch.bfloat16
+
+
+def _flashmla_ops():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashMLA's dense decode runs on SM90")
+    try:
+        import vllm.third_party.flashmla.flash_mla_interface  # noqa: F401  loads _flashmla_C
+    except ImportError as exc:
+        pytest.skip(f"vLLM's FlashMLA is not importable: {exc}")
+    return torch.ops._flashmla_C
+
+
+def _own_schedule(lens: list[int], heads: int, q_len: int):
+    """FlashMLA's decode on a small random problem with no schedule given: the schedule its
+    metadata kernel computed, as the extension returns it."""
+    ops = _flashmla_ops()
+    device = torch.device("cuda")
+    need = [-(-n // 64) for n in lens]
+    table = torch.arange(sum(need), dtype=torch.int32, device=device)
+    rows = torch.zeros(len(lens), max(need), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(need):
+        rows[i, :n] = table[start:start + n]
+        start += n
+    q = torch.randn(len(lens), q_len, heads, HEAD_DIM, device=device, dtype=BF16)
+    cache = torch.randn(max(sum(need), 1), 64, 1, HEAD_DIM, device=device, dtype=BF16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    _, _, meta, splits = ops.dense_decode_fwd(q, cache, 512, seq_lens, rows, 0.1, q_len > 1,
+                                              None, None, None)
+    return meta.cpu().tolist(), splits.cpu().tolist()
+
+
+def test_layout_is_flashmla_own():
+    """The extension's own schedule, read with the plugin's field order, is what FlashMLA's
+    scheduler (transcribed in flashmla_schedule_cases.py) gives for every part with work
+    (the kernels return at once for the others, ``begin_req >= batch``): the field order
+    the plugin writes is the one the bundled kernels read."""
+    rng = random.Random(21)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for _ in range(30):
+        b = rng.choice([1, 3, 16, 40, 129])
+        lens = [rng.randint(1, rng.choice([100, 3000, 20000])) for _ in range(b)]
+        heads, q_len = rng.choice([(16, 1), (64, 1), (128, 1), (16, 4), (128, 2)])
+        meta, splits = _own_schedule(lens, heads, q_len)
+        parts = max(sms // -(-heads * q_len // 64), 1)
+        assert len(meta) == parts and len(meta[0]) == 8
+        rows, want_splits = flashmla_greedy(lens, parts)
+        assert splits == want_splits
+        for got, want in zip(meta, rows, strict=True):
+            if want[0] >= b:
+                assert got[0] >= b
+            else:
+                assert got[:7] == want
+
+
+def test_kernel_gives_valid_schedules():
+    _flashmla_ops()
+    rng = random.Random(7)
+    for _ in range(300):
+        lens, parts = random_lens(rng)
+        rows, splits = plugin_schedule(lens, parts, device="cuda")
+        bound = -(-sum(n + OVERHEAD for n in blocks(lens)) // parts) + OVERHEAD
+        assert check_schedule(lens, rows, splits) <= bound
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_route_on_its_schedule_matches_reference(seed: int):
+    """Random batches (up to 300 requests, lengths 1-40k, 16-128 heads, 1-4 query tokens)
+    on the forced FlashMLA route, against float64 and against FlashMLA on its own
+    schedule."""
+    ops = _flashmla_ops()
+    device = torch.device("cuda")
+    rng = random.Random(seed)
+    heads = rng.choice([16, 32, 64, 128])
+    q_len = rng.choice([1, 1, 2, 4])
+    b = rng.choice([1, 5, 33, 120, 300])
+    longest = rng.choice([64, 700, 5000, 40000]) if b < 200 else rng.choice([64, 700, 3000])
+    lens = [max(q_len, rng.randint(1, longest)) for _ in range(b)]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_len, dtype=BF16,
+                     kv_dtype=BF16, device=device, generator=gen)
+    if (reason := route_skip_reason("flashmla", p.spec, device)) is not None:
+        pytest.skip(reason)
+    decoder = MLADecoder(p.spec, device, max_batch_size=b, route="flashmla")
+    decoder.plan(p.batch)
+    out = decoder.run(p.query, p.kv_cache)
+    torch.cuda.synchronize()
+    rel, worst = errors(out, reference(p))
+    rel_bound, max_bound = bounds(p)
+    own, *_ = ops.dense_decode_fwd(
+        p.query.view(b, q_len, heads, HEAD_DIM), p.kv_cache.unsqueeze(-2), 512,
+        p.batch.seq_lens, p.batch.block_table, p.spec.softmax_scale, q_len > 1, None, None,
+        None)
+    rel_own, _ = errors(out, own.reshape(out.shape).to(torch.float64))
+    print(f"[flashmla schedule h{heads} b{b} q{q_len} <= {longest}] rel={rel:.2e} "
+          f"max={worst:.2e} vs-own-schedule={rel_own:.1e}")
+    assert rel < rel_bound and worst < max_bound, (rel, worst)
+    assert rel_own < 5e-3, rel_own

@@ -36,15 +36,16 @@ def time_schedule_kernel(device: torch.device) -> None:
             lens = torch.randint(1, 8192, (batch,), generator=gen).to(torch.int32).to(device)
             meta = torch.empty(parts, 8, dtype=torch.int32, device=device)
             splits = torch.empty(batch + 1, dtype=torch.int32, device=device)
-            scratch = torch.empty(batch + parts + 1, dtype=torch.int32, device=device)
-            flashmla_schedule(lens, meta, splits, scratch)
+            ends = torch.empty(batch, dtype=torch.int32, device=device)
+            owners = torch.empty(parts + 1, dtype=torch.int32, device=device)
+            flashmla_schedule(lens, meta, splits, ends, owners)
             torch.cuda.synchronize()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
                 for _ in range(20):
-                    flashmla_schedule(lens, meta, splits, scratch)
+                    flashmla_schedule(lens, meta, splits, ends, owners)
             ms = triton.testing.do_bench(graph.replay, warmup=10, rep=50,
                                          return_mode="median")
             print(f"schedule kernel b{batch} parts{parts}: {ms * 1e3 / 20:.2f} us/launch",

@@ -95,7 +95,9 @@ def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int]) ->
 def random_lens(rng: random.Random) -> tuple[list[int], int]:
     b = rng.choice([1, 2, 3, 7, 16, 33, 64, 129, 200, 257, 512])
     longest = rng.choice([1, 63, 64, 65, 300, 1000, 4096, 16000, 65536])
-    lens = [longest if rng.random() < 0.4 else rng.randint(1, longest) for _ in range(b)]
+    # Length 0: a padding slot of a CUDA-graph batch (FlashMLA counts it as one block).
+    lens = [0 if rng.random() < 0.03 else longest if rng.random() < 0.4
+            else rng.randint(1, longest) for _ in range(b)]
     parts = rng.choice([132, 66, 44, 33, 16, 11, 8, 1])
     return lens, parts
 
@@ -107,9 +109,10 @@ def plugin_schedule(lens: list[int], parts: int, device: str = "cpu"):
 
     meta = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
     splits = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=device)
-    scratch = torch.full((len(lens) + parts + 1,), -7, dtype=torch.int32, device=device)
+    ends = torch.full((len(lens),), -7, dtype=torch.int32, device=device)
+    owners = torch.full((parts + 1,), -7, dtype=torch.int32, device=device)
     flashmla_schedule(torch.tensor(lens, dtype=torch.int32, device=device), meta, splits,
-                      scratch)
+                      ends, owners)
     return meta.cpu().tolist(), splits.cpu().tolist()
 
 

@@ -17,8 +17,8 @@ holds at least one block, and no part costs more than ``q + OVERHEAD`` (blocks p
 ``OVERHEAD`` per piece): FlashMLA's own bound (``payload = ceil(T / parts) + OVERHEAD``).
 Request ``j`` is split at every multiple of ``q`` in ``(s_j, s_j + nb_j)``, so it has
 ``ceil((s_j + nb_j) / q) - floor(s_j / q)`` pieces. On uniform batches the pieces are
-FlashMLA's; on random batches their count is a median 1.00 and a 90th percentile 1.03 times
-FlashMLA's (up to 1.7 on a few small batches; tests/flashmla_schedule_cases.py). Pieces
+FlashMLA's; on random batches their count is a median 1.00 and a 90th percentile 1.03-1.04
+times FlashMLA's (up to 1.4-1.7 on a few small batches; tests/flashmla_schedule_cases.py). Pieces
 matter: each writes float32 partials (256 KB at 128 query rows) that a combine kernel reads.
 
 Output layout, FlashMLA's ``DecodingSchedMeta`` (32 bytes per part; checked against the
@@ -148,7 +148,8 @@ def flashmla_schedule(
     seq_lens: torch.Tensor,
     tile_metadata: torch.Tensor,
     num_splits: torch.Tensor,
-    scratch: torch.Tensor,
+    request_ends: torch.Tensor,
+    boundary_owners: torch.Tensor,
     *,
     chunk: int = 128,
 ) -> None:
@@ -160,8 +161,11 @@ def flashmla_schedule(
             ``tile_scheduler_metadata``; ``num_sm_parts`` as FlashMLA derives it for the
             step's heads and query length).
         num_splits: ``[batch + 1]`` int32, written (prefix sum of pieces per request).
-        scratch: int32, at least ``batch + num_sm_parts + 1`` entries (each request's end in
-            schedule units, and the request each part boundary falls in).
+        request_ends: int32 scratch, at least ``batch`` entries (each request's end in
+            schedule units).
+        boundary_owners: int32 scratch, at least ``num_sm_parts + 1`` entries (the request
+            each part boundary falls in). Separate from ``request_ends`` so that both keep
+            their allocation's alignment (Triton compiles a variant per alignment).
     """
     batch = seq_lens.shape[0]
     parts = tile_metadata.shape[0]
@@ -170,10 +174,13 @@ def flashmla_schedule(
             f"schedule buffers [parts, {SCHED_META_INTS}] and [batch + 1] expected, got "
             f"{tuple(tile_metadata.shape)} and {tuple(num_splits.shape)} for batch {batch}"
         )
-    if scratch.numel() < batch + parts + 1:
-        raise ValueError(f"scratch of {scratch.numel()} int32 for batch {batch}, {parts} parts")
+    if request_ends.numel() < batch or boundary_owners.numel() < parts + 1:
+        raise ValueError(
+            f"scratch of {request_ends.numel()} and {boundary_owners.numel()} int32 for "
+            f"batch {batch} and {parts} parts"
+        )
     _flashmla_schedule_kernel[(1,)](
-        seq_lens, tile_metadata, num_splits, scratch, scratch[batch:], batch, parts,
+        seq_lens, tile_metadata, num_splits, request_ends, boundary_owners, batch, parts,
         PAGE=FLASHMLA_PAGE, OVERHEAD=FLASHMLA_OVERHEAD_BLOCKS, CHUNK=chunk,
         PARTS=triton.next_power_of_2(parts), num_warps=4,
     )

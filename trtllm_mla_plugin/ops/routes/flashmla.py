@@ -149,8 +149,8 @@ class FlashMLARoute(DecodeRoute):
         self._tile_metadata = torch.zeros(self._sms, SCHED_META_INTS, dtype=torch.int32,
                                           device=device)
         self._num_splits = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
-        self._scratch = torch.zeros(max_batch_size + self._sms + 1, dtype=torch.int32,
-                                    device=device)
+        self._request_ends = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self._boundary_owners = torch.zeros(self._sms + 1, dtype=torch.int32, device=device)
         self._batch: DecodeBatch | None = None
         self._scheduled = self._capture_scheduled = False
 
@@ -174,7 +174,8 @@ class FlashMLARoute(DecodeRoute):
         capturing = torch.cuda.is_current_stream_capturing()
         if self._capture_scheduled if capturing else self._scheduled:
             return
-        self._schedule_kernel(self._seq_lens, *self._schedule, self._scratch)
+        self._schedule_kernel(self._seq_lens, *self._schedule, self._request_ends,
+                              self._boundary_owners)
         if capturing:
             self._capture_scheduled = True
         else:

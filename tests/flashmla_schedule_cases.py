@@ -80,8 +80,12 @@ def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int]) ->
             pieces[r].append((first_split if r == first_req else 0, unsplit))
             cost += hi - lo + OVERHEAD
         worst = max(worst, cost)
+    # FlashMLA sizes its float32 partials for batch + parts pieces, and its combine kernel
+    # takes at most as many pieces per request as there are parts.
+    assert splits[-1] <= b + len(rows), (splits[-1], b, len(rows))
     for r in range(b):
         assert covered[r] == [1] * nb[r], f"request {r}: blocks covered {covered[r]}"
+        assert splits[r + 1] - splits[r] <= len(rows), r
         n = splits[r + 1] - splits[r]
         assert n == len(pieces[r]), (r, n, pieces[r])
         if n == 1:
@@ -98,7 +102,8 @@ def random_lens(rng: random.Random) -> tuple[list[int], int]:
     # Length 0: a padding slot of a CUDA-graph batch (FlashMLA counts it as one block).
     lens = [0 if rng.random() < 0.03 else longest if rng.random() < 0.4
             else rng.randint(1, longest) for _ in range(b)]
-    parts = rng.choice([132, 66, 44, 33, 16, 11, 8, 1])
+    # 132 SMs over 1-16 query tiles per request (heads x q_len / 64), and a few others.
+    parts = rng.choice([132, 66, 44, 33, 26, 22, 18, 16, 13, 12, 11, 10, 9, 8, 1])
     return lens, parts
 
 
@@ -109,7 +114,7 @@ def plugin_schedule(lens: list[int], parts: int, device: str = "cpu"):
 
     meta = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
     splits = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=device)
-    ends = torch.full((len(lens),), -7, dtype=torch.int32, device=device)
+    ends = torch.full((max(len(lens), 1),), -7, dtype=torch.int32, device=device)
     owners = torch.full((parts + 1,), -7, dtype=torch.int32, device=device)
     flashmla_schedule(torch.tensor(lens, dtype=torch.int32, device=device), meta, splits,
                       ends, owners)

@@ -2,7 +2,9 @@
 random batches, checked against what FlashMLA's decode and combine kernels need and
 against the load bound of FlashMLA's own scheduler (tests/flashmla_schedule_cases.py), and
 compiled for Hopper. On the H200 the FlashMLA route runs on it against float64 and the
-layout is checked against FlashMLA's own schedule (tests/gpu/test_flashmla_schedule_gpu.py)."""
+layout is checked against FlashMLA's own schedule (tests/gpu/test_flashmla_schedule_gpu.py).
+The interpreter runs one program sequentially, so the kernel's barriers between its passes
+are checked only there (``test_kernel_gives_valid_schedules``)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,20 @@ def test_schedule_kernel_under_interpreter():
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "80 cases valid, within FlashMLA's bound" in proc.stdout
+
+
+def test_empty_batch_gives_empty_parts():
+    """A batch of no requests (never planned by the route) writes parts without work
+    instead of dividing by zero."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    code = ("from flashmla_schedule_cases import plugin_schedule as s; "
+            "rows, splits = s([], 4); print(rows, splits)")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str([[0, -1, 0, 0, 0, 0, 0, 0]] * 4) + " [0]"
 
 
 def test_checker_accepts_flashmla_and_refuses_broken_schedules():

@@ -21,8 +21,10 @@ FlashMLA's; on random batches their count is a median 1.00 and a 90th percentile
 times FlashMLA's (up to 1.4-1.7 on a few small batches; tests/flashmla_schedule_cases.py). Pieces
 matter: each writes float32 partials (256 KB at 128 query rows) that a combine kernel reads.
 
-Output layout, FlashMLA's ``DecodingSchedMeta`` (32 bytes per part; checked against the
-bundled extension's own schedule on the H200, tests/gpu/test_flashmla_schedule_gpu.py):
+Output layout, FlashMLA's ``DecodingSchedMeta`` (32 bytes per part; on the H200, run 81, the
+bundled extension's own rows for parts with work matched its scheduler as transcribed in
+tests/flashmla_schedule_cases.py, and the route on this kernel's first form passed its
+float64 tests; tests/gpu/test_flashmla_schedule_gpu.py):
 ``[begin_req, end_req, begin_block, end_block, begin_split, first_split, last_split, 0]``
 with ``end_req`` inclusive and ``end_block`` exclusive; a part with no work has
 ``begin_req = batch`` (the kernel returns at once for it). ``num_splits[batch + 1]`` is the
@@ -84,7 +86,7 @@ def _flashmla_schedule_kernel(
         cost = tl.where(ok, _blocks(seq_lens_ptr, idx, ok, PAGE) + OVERHEAD, 0)
         tl.store(ends_ptr + idx, total + tl.cumsum(cost, axis=0), mask=ok)
         total += tl.sum(cost, axis=0)
-    q = (total + num_parts - 1) // num_parts
+    q = tl.maximum((total + num_parts - 1) // num_parts, 1)  # batch 0: no division by 0
     tl.debug_barrier()
 
     # Pass 2: pieces per request -> num_splits; each request that holds a boundary writes

@@ -18,7 +18,6 @@ import math
 import bench_decode as bd
 import decode_kernels as dk
 import torch
-import triton.testing
 
 from trtllm_mla_plugin.ops.kernels.flashmla_schedule import flashmla_schedule
 
@@ -46,10 +45,8 @@ def time_schedule_kernel(device: torch.device) -> None:
             with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
                 for _ in range(20):
                     flashmla_schedule(lens, meta, splits, ends, owners)
-            ms = triton.testing.do_bench(graph.replay, warmup=10, rep=50,
-                                         return_mode="median")
-            print(f"schedule kernel b{batch} parts{parts}: {ms * 1e3 / 20:.2f} us/launch",
-                  flush=True)
+            print(f"schedule kernel b{batch} parts{parts}: "
+                  f"{bd.time_replays(graph, 20):.2f} us/launch", flush=True)
 
 
 def route_against_peer(device: torch.device, seed: int, count: int) -> None:

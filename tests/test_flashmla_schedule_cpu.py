@@ -20,12 +20,17 @@ from flashmla_schedule_cases import OVERHEAD, blocks, check_schedule, flashmla_g
 HERE = Path(__file__).resolve().parent
 
 
-def test_schedule_kernel_under_interpreter():
+def _interpreted(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python ARGS`` with Triton's CPU interpreter and the repo and tests importable."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "flashmla_schedule_cases.py"), "80"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_schedule_kernel_under_interpreter():
+    proc = _interpreted(str(HERE / "flashmla_schedule_cases.py"), "80")
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "80 cases valid, within FlashMLA's bound" in proc.stdout
@@ -34,13 +39,9 @@ def test_schedule_kernel_under_interpreter():
 def test_empty_batch_gives_empty_parts():
     """A batch of no requests (never planned by the route) writes parts without work
     instead of dividing by zero."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
     code = ("from flashmla_schedule_cases import plugin_schedule as s; "
             "rows, splits = s([], 4); print(rows, splits)")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = _interpreted("-c", code, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == str([[0, -1, 0, 0, 0, 0, 0, 0]] * 4) + " [0]"
 

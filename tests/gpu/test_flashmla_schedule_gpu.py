@@ -47,19 +47,12 @@ def _own_schedule(lens: list[int], heads: int, q_len: int):
     """FlashMLA's decode on a small random problem with no schedule given: the schedule its
     metadata kernel computed, as the extension returns it."""
     ops = _flashmla_ops()
-    device = torch.device("cuda")
-    need = [-(-n // 64) for n in lens]
-    table = torch.arange(sum(need), dtype=torch.int32, device=device)
-    rows = torch.zeros(len(lens), max(need), dtype=torch.int32, device=device)
-    start = 0
-    for i, n in enumerate(need):
-        rows[i, :n] = table[start:start + n]
-        start += n
-    q = torch.randn(len(lens), q_len, heads, HEAD_DIM, device=device, dtype=BF16)
-    cache = torch.randn(max(sum(need), 1), 64, 1, HEAD_DIM, device=device, dtype=BF16)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    _, _, meta, splits = ops.dense_decode_fwd(q, cache, 512, seq_lens, rows, 0.1, q_len > 1,
-                                              None, None, None)
+    p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
+                     dtype=BF16, kv_dtype=BF16, device=torch.device("cuda"))
+    b = len(lens)
+    _, _, meta, splits = ops.dense_decode_fwd(
+        p.query.view(b, q_len, heads, HEAD_DIM), p.kv_cache.unsqueeze(-2), 512,
+        p.batch.seq_lens, p.batch.block_table, 0.1, q_len > 1, None, None, None)
     return meta.cpu().tolist(), splits.cpu().tolist()
 
 
@@ -74,6 +67,7 @@ def test_layout_is_flashmla_own():
         b = rng.choice([1, 3, 16, 40, 129])
         lens = [rng.randint(1, rng.choice([100, 3000, 20000])) for _ in range(b)]
         heads, q_len = rng.choice([(16, 1), (64, 1), (128, 1), (16, 4), (128, 2)])
+        lens = [max(n, q_len) for n in lens]
         meta, splits = _own_schedule(lens, heads, q_len)
         parts = max(sms // -(-heads * q_len // 64), 1)
         assert len(meta) == parts and len(meta[0]) == 8

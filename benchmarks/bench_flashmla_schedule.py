@@ -3,8 +3,11 @@
 
 ``python3 benchmarks/bench_flashmla_schedule.py [--seed S] [--count N]`` prints
 1. ``ops/kernels/flashmla_schedule.py`` alone: a CUDA graph of 20 launches, median us per
-   launch, for batches 1-1024 and 132/66/33 SM parts;
-2. the ``flashmla`` route (the plugin's schedule) against ``peer:vllm-flashmla`` (FlashMLA's
+   launch, for batches 1-1024 (random lengths, and uniform ones, whose boundaries snap to
+   request ends most), 132/66/33 SM parts, three (requests per step, warps) settings;
+2. FlashMLA's own scheduler alone (batches of the same sizes), by difference of graph
+   times;
+3. the ``flashmla`` route (the plugin's schedule) against ``peer:vllm-flashmla`` (FlashMLA's
    own schedule kernel once per graph of 10 calls, as vLLM's FLASHMLA runs once per step):
    graph-timed medians of three alternations on fixed shapes and on random bf16 set
    ``--seed``, with the geometric mean and the worst of peer / route.
@@ -13,13 +16,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import math
 
 import bench_decode as bd
 import decode_kernels as dk
 import torch
 
-from trtllm_mla_plugin.ops.kernels.flashmla_schedule import flashmla_schedule
+from trtllm_mla_plugin.ops.kernels.flashmla_schedule import (
+    REQUEST_SCRATCH_ROWS,
+    flashmla_schedule,
+)
 
 FIXED = [(16, 1, 1024, "u", 1, bd.BF, 64), (32, 4, 2048, "u", 1, bd.BF, 64),
          (128, 8, 4096, "u", 1, bd.BF, 64), (64, 16, 2048, "u", 2, bd.BF, 64),
@@ -30,23 +38,81 @@ FIXED = [(16, 1, 1024, "u", 1, bd.BF, 64), (32, 4, 2048, "u", 1, bd.BF, 64),
 
 def time_schedule_kernel(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
-    for batch in (1, 32, 128, 512, 1024):
-        for parts in (132, 66, 33):
-            lens = torch.randint(1, 8192, (batch,), generator=gen).to(torch.int32).to(device)
-            meta = torch.empty(parts, 8, dtype=torch.int32, device=device)
-            splits = torch.empty(batch + 1, dtype=torch.int32, device=device)
-            ends = torch.empty(batch, dtype=torch.int32, device=device)
-            owners = torch.empty(parts + 1, dtype=torch.int32, device=device)
-            flashmla_schedule(lens, meta, splits, ends, owners)
-            torch.cuda.synchronize()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-                for _ in range(20):
-                    flashmla_schedule(lens, meta, splits, ends, owners)
-            print(f"schedule kernel b{batch} parts{parts}: "
-                  f"{bd.time_replays(graph, 20):.2f} us/launch", flush=True)
+    for batch in (1, 32, 128, 187, 512, 1024):
+        for kind in ("random", "uniform 1315", "uniform 64"):
+            if kind == "random":
+                lens = torch.randint(1, 8192, (batch,), generator=gen)
+            else:
+                lens = torch.full((batch,), int(kind.split()[1]))
+            lens = lens.to(torch.int32).to(device)
+            for parts in (132, 66, 33):
+                meta = torch.empty(parts, 8, dtype=torch.int32, device=device)
+                splits = torch.empty(batch + 1, dtype=torch.int32, device=device)
+                scratch = torch.empty(REQUEST_SCRATCH_ROWS, batch, dtype=torch.int32,
+                                      device=device)
+                owners = torch.empty(parts + 1, dtype=torch.int32, device=device)
+                times = []
+                for chunk, warps in ((32, 1), (64, 2), (128, 4)):
+                    launch = functools.partial(flashmla_schedule, lens, meta, splits,
+                                               scratch, owners, chunk=chunk, num_warps=warps)
+                    launch()
+                    torch.cuda.synchronize()
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                        for _ in range(20):
+                            launch()
+                    times.append(f"{chunk}/{warps}w {bd.time_replays(graph, 20):.2f}")
+                print(f"schedule kernel b{batch} {kind} parts{parts}: us per launch "
+                      + ", ".join(times), flush=True)
+
+
+def _graph_us(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            fn()
+    return bd.time_replays(graph, reps)
+
+
+def time_flashmla_own_schedule(device: torch.device) -> None:
+    """FlashMLA's own scheduler, by difference: graphs of 20 ``dense_decode_fwd`` calls that
+    schedule for themselves (no schedule given, as vLLM's FLASHMLA's first layer of a step)
+    against 20 calls on a schedule computed before."""
+    importlib.import_module(dk.FLASHMLA_MODULE)
+    decode = torch.ops._flashmla_C.dense_decode_fwd
+    gen = torch.Generator().manual_seed(1)
+    for batch in (1, 32, 128, 187, 512, 1024):
+        for kind in ("random 2048", "uniform 1315", "uniform 64"):
+            if kind.startswith("random"):
+                lens = torch.randint(1, 2048, (batch,), generator=gen)
+            else:
+                lens = torch.full((batch,), int(kind.split()[1]))
+            pages = (lens + 63) // 64
+            table = torch.arange(int(pages.sum()), dtype=torch.int32)
+            width = int(pages.max())
+            block_table = torch.zeros(batch, width, dtype=torch.int32)
+            start = 0
+            for i, n in enumerate(pages.tolist()):
+                block_table[i, :n] = table[start:start + n]
+                start += n
+            block_table = block_table.to(device)
+            lens = lens.to(torch.int32).to(device)
+            cache = torch.randn(start, 64, 1, 576, dtype=torch.bfloat16, device=device)
+            for heads, q_len in ((64, 1), (128, 1), (128, 2)):
+                q = torch.randn(batch, q_len, heads, 576, dtype=torch.bfloat16, device=device)
+                _, _, meta, splits = decode(q, cache, 512, lens, block_table, 0.1, q_len > 1,
+                                            None, None, None)
+                args = (q, cache, 512, lens, block_table, 0.1, q_len > 1)
+                own = _graph_us(functools.partial(decode, *args, None, None, None))
+                given = _graph_us(functools.partial(decode, *args, meta, splits, None))
+                print(f"flashmla own schedule b{batch} {kind} parts{meta.shape[0]}: "
+                      f"{own - given:.2f} us per launch (decode {given:.2f} us)", flush=True)
 
 
 def route_against_peer(device: torch.device, seed: int, count: int) -> None:
@@ -76,10 +142,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=31)
     parser.add_argument("--count", type=int, default=70)
+    parser.add_argument("--sections", default="kernel,own,route",
+                        help="comma list of kernel (this kernel alone), own (FlashMLA's "
+                        "scheduler alone), route (route against peer)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    time_schedule_kernel(device)
-    route_against_peer(device, args.seed, args.count)
+    sections = args.sections.split(",")
+    if "kernel" in sections:
+        time_schedule_kernel(device)
+    if "own" in sections:
+        time_flashmla_own_schedule(device)
+    if "route" in sections:
+        route_against_peer(device, args.seed, args.count)
 
 
 if __name__ == "__main__":

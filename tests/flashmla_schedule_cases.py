@@ -114,32 +114,35 @@ def plugin_schedule(lens: list[int], parts: int, device: str = "cpu"):
 
     meta = torch.full((parts, 8), -7, dtype=torch.int32, device=device)
     splits = torch.full((len(lens) + 1,), -7, dtype=torch.int32, device=device)
-    ends = torch.full((max(len(lens), 1),), -7, dtype=torch.int32, device=device)
+    ends = torch.full((3, max(len(lens), 1)), -7, dtype=torch.int32, device=device)
     owners = torch.full((parts + 1,), -7, dtype=torch.int32, device=device)
     flashmla_schedule(torch.tensor(lens, dtype=torch.int32, device=device), meta, splits,
                       ends, owners)
     return meta.cpu().tolist(), splits.cpu().tolist()
 
 
+def same_schedule(lens: list[int], rows, splits, want_rows, want_splits) -> bool:
+    """``rows``/``splits`` equal to ``want_*`` in every field FlashMLA's kernels read: all of
+    a part with work, ``begin_req >= batch`` of a part without (its other fields are left
+    stale by FlashMLA's scheduler and never read)."""
+    b = len(lens)
+    return splits == want_splits and len(rows) == len(want_rows) and all(
+        got[0] >= b if want[0] >= b else got[:7] == want[:7]
+        for got, want in zip(rows, want_rows, strict=True))
+
+
 def main(cases: int) -> int:
     rng = random.Random(11)
-    over = 0
-    ratios = []
     for i in range(cases):
         lens, parts = random_lens(rng)
+        if i % 4 == 3:  # uniform batches: the most boundaries snapping to request ends
+            lens = [rng.choice([0, 1, 64, 65, 1315, 2048, 9000])] * rng.randint(1, 300)
         rows, splits = plugin_schedule(lens, parts)
-        worst = check_schedule(lens, rows, splits)
-        greedy_worst = check_schedule(lens, *flashmla_greedy(lens, parts))
-        bound = -(-sum(n + OVERHEAD for n in blocks(lens)) // parts) + OVERHEAD
-        assert worst <= bound, (i, worst, bound)
+        check_schedule(lens, rows, splits)
         assert all(row[7] == 0 for row in rows)
-        over += worst > greedy_worst
-        ratios.append(splits[-1] / flashmla_greedy(lens, parts)[1][-1])
-    ratios.sort()
-    print(f"schedule: {cases} cases valid, within FlashMLA's bound; "
-          f"{over} with a larger busiest part than FlashMLA's own; pieces / FlashMLA's: "
-          f"median {ratios[len(ratios) // 2]:.2f}, 90th percentile "
-          f"{ratios[len(ratios) * 9 // 10]:.2f}, max {ratios[-1]:.2f}")
+        want_rows, want_splits = flashmla_greedy(lens, parts)
+        assert same_schedule(lens, rows, splits, want_rows, want_splits), (i, lens, parts)
+    print(f"schedule: {cases} cases valid and equal to FlashMLA's own")
     return 0
 
 

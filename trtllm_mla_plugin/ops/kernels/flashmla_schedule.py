@@ -43,6 +43,9 @@ FLASHMLA_PAGE = 64
 FLASHMLA_OVERHEAD_BLOCKS = 5
 #: int32 fields per part in ``DecodingSchedMeta``.
 SCHED_META_INTS = 8
+#: Rows of the kernel's per-request scratch (end, grid anchor, first boundary).
+REQUEST_SCRATCH_ROWS = 3
+_NO_HIT = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -57,25 +60,46 @@ def _max(a, b):
 
 
 @triton.jit
-def _position(ends_ptr, owner_ptr, boundary, x, total, live, batch_size, OVERHEAD: tl.constexpr):
-    """Boundary ``boundary`` (at unit ``x``) as (request, block), with its request's start."""
-    inside = live & (x < total)
-    req = tl.load(owner_ptr + boundary, mask=inside, other=0)
-    start = tl.load(ends_ptr + req - 1, mask=inside & (req > 0), other=0)
-    blocks = tl.load(ends_ptr + req, mask=inside, other=0) - start - OVERHEAD
-    u = x - start
-    in_blocks = inside & (u < blocks)
-    req = tl.where(in_blocks, req, tl.where(inside, req + 1, batch_size))
-    return req, tl.where(in_blocks, u, 0), start
+def _request_boundaries(start, end, anchor, q, OVERHEAD: tl.constexpr):
+    """Request ``[start, end)`` under grid ``anchor + m q``: its split points (grid points
+    among its blocks), whether it ends on a boundary (a grid point in its overhead units,
+    snapped to ``end``, or exactly at ``end``), and whether it re-anchors the grid."""
+    n_split = (end - OVERHEAD - 1 - anchor) // q - (start - anchor) // q
+    snaps = (end - 1 - anchor) % q < OVERHEAD
+    ends_on_boundary = snaps | ((end - anchor) % q == 0)
+    return n_split, ends_on_boundary, snaps
+
+
+@triton.jit
+def _boundary(k, live, ends_ptr, anchors_ptr, firsts_ptr, owner_ptr, q, batch_size,
+              OVERHEAD: tl.constexpr):
+    """Part boundary ``k`` as (request, block, piece index): boundary 0 is the batch's
+    start; a request's ``t``-th boundary is its ``t``-th split point, or its end (the next
+    request's start); past the last boundary, ``(batch, 0, 0)``."""
+    req = tl.load(owner_ptr + k, mask=live & (k > 0), other=-1)
+    has = live & (req >= 0)
+    start = tl.load(ends_ptr + req - 1, mask=has & (req > 0), other=0)
+    end = tl.load(ends_ptr + req, mask=has, other=1)
+    anchor = tl.load(anchors_ptr + req, mask=has, other=0)
+    t = k - tl.load(firsts_ptr + req, mask=has, other=0)
+    n_split, ends_on_boundary, _ = _request_boundaries(start, end, anchor, q, OVERHEAD)
+    split = has & (t < n_split)
+    at_end = has & (t == n_split) & ends_on_boundary
+    point = anchor + ((start - anchor) // q + 1 + t) * q
+    req = tl.where(split, req, tl.where(at_end, req + 1, tl.where(k == 0, 0, batch_size)))
+    return req, tl.where(split, point - start, 0), tl.where(split, t + 1, 0)
 
 
 @triton.jit(do_not_specialize=["batch_size", "num_parts"])
 def _flashmla_schedule_kernel(
-    seq_lens_ptr, meta_ptr, num_splits_ptr, ends_ptr, owner_ptr, batch_size, num_parts,
+    seq_lens_ptr, meta_ptr, num_splits_ptr, scratch_ptr, scratch_stride, owner_ptr,
+    batch_size, num_parts,
     PAGE: tl.constexpr, OVERHEAD: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
 ):
+    ends_ptr = scratch_ptr
+    anchors_ptr = scratch_ptr + scratch_stride
+    firsts_ptr = scratch_ptr + 2 * scratch_stride
     offs = tl.arange(0, CHUNK)
-    # Boundary k (at unit k q) is owned by the request it falls in; -1 until scattered.
     bound = tl.arange(0, 2 * PARTS)
     tl.store(owner_ptr + bound, bound * 0 - 1, mask=bound <= num_parts)
     # Pass 1: each request's end in units (inclusive prefix sum of its cost).
@@ -89,20 +113,45 @@ def _flashmla_schedule_kernel(
     q = tl.maximum((total + num_parts - 1) // num_parts, 1)  # batch 0: no division by 0
     tl.debug_barrier()
 
-    # Pass 2: pieces per request -> num_splits; each request that holds a boundary writes
-    # its index at the first one (no two requests share a boundary).
+    # Pass 2, request by request: the grid's anchor (the last request end it snapped to),
+    # each request's split points and end boundary, pieces -> num_splits, and the index of
+    # its first boundary; a request holding a boundary writes its index there.
     tl.store(num_splits_ptr, 0)
+    anchor = batch_size * 0
     splits = batch_size * 0
+    bounds = batch_size * 0 + 1  # boundary 0 is the batch's start
     for start in range(0, batch_size, CHUNK):
         idx = start + offs
         ok = idx < batch_size
         end = tl.load(ends_ptr + idx, mask=ok, other=0)
+        # The first request past the anchor whose overhead units hold a grid point (its end
+        # is the smallest such) re-anchors the grid for the requests after it. Phases
+        # (units mod q) keep the division out of the loop.
+        phase = end % q
+        lane_anchor = offs * 0
+        behind = phase - 1 - anchor % q
+        hit = ok & (end > anchor) & (tl.where(behind < 0, behind + q, behind) < OVERHEAD)
+        first = tl.min(tl.where(hit, end, _NO_HIT), axis=0)
+        while first < _NO_HIT:
+            lane_anchor = tl.where((end > anchor) & (end <= first), anchor, lane_anchor)
+            anchor = first
+            behind = phase - 1 - anchor % q
+            hit = ok & (end > anchor) & (tl.where(behind < 0, behind + q, behind) < OVERHEAD)
+            first = tl.min(tl.where(hit, end, _NO_HIT), axis=0)
+        lane_anchor = tl.where(end > anchor, anchor, lane_anchor)
+        tl.store(anchors_ptr + idx, lane_anchor, mask=ok)
+
         begin = end - _blocks(seq_lens_ptr, idx, ok, PAGE) - OVERHEAD
-        pieces = tl.where(ok, (end - OVERHEAD + q - 1) // q - begin // q, 0)
+        n_split, ends_on_boundary, _ = _request_boundaries(begin, end, lane_anchor, q,
+                                                           OVERHEAD)
+        pieces = tl.where(ok, n_split + 1, 0)
         tl.store(num_splits_ptr + 1 + idx, splits + tl.cumsum(pieces, axis=0), mask=ok)
         splits += tl.sum(pieces, axis=0)
-        first = (begin + q - 1) // q
-        tl.store(owner_ptr + first, idx, mask=ok & (first * q < end) & (first <= num_parts))
+        held = tl.where(ok, n_split + ends_on_boundary.to(tl.int32), 0)
+        firsts = bounds + tl.cumsum(held, axis=0) - held
+        tl.store(firsts_ptr + idx, firsts, mask=ok)
+        tl.store(owner_ptr + firsts, idx, mask=ok & (held > 0) & (firsts <= num_parts))
+        bounds += tl.sum(held, axis=0)
     tl.debug_barrier()
     # Later boundaries of a request inherit its index (requests are in order: running max).
     owner = tl.load(owner_ptr + bound, mask=bound <= num_parts, other=-1)
@@ -111,21 +160,18 @@ def _flashmla_schedule_kernel(
     tl.store(owner_ptr + bound, owner, mask=bound <= num_parts)
     tl.debug_barrier()
 
-    # Pass 3: part i runs from boundary i to boundary i + 1, each as (request, block); a
-    # boundary in a request's overhead units moves on to the next request's start, one at
-    # or past T is (batch, 0).
+    # Pass 3: part i runs from boundary i to boundary i + 1.
     part = tl.arange(0, PARTS)
     live = part < num_parts
-    r_b, block_b, start_b = _position(ends_ptr, owner_ptr, part, part * q, total, live,
-                                      batch_size, OVERHEAD)
-    r_e, block_e, _ = _position(ends_ptr, owner_ptr, part + 1, part * q + q, total, live,
-                                batch_size, OVERHEAD)
-    empty = (r_b == r_e) & (block_b == block_e)
+    r_b, block_b, split_b = _boundary(part, live, ends_ptr, anchors_ptr, firsts_ptr,
+                                      owner_ptr, q, batch_size, OVERHEAD)
+    r_e, block_e, _ = _boundary(part + 1, live, ends_ptr, anchors_ptr, firsts_ptr,
+                                owner_ptr, q, batch_size, OVERHEAD)
+    work = live & (r_b < batch_size)
 
     # A part ending at a request's start ends with the whole previous request.
-    work = empty == 0
     last_req = tl.where(block_e == 0, r_e - 1, r_e)
-    has_last = live & work & (last_req >= 0)
+    has_last = work & (last_req >= 0)
     last_end = tl.load(ends_ptr + last_req, mask=has_last, other=0)
     last_start = tl.load(ends_ptr + last_req - 1, mask=has_last & (last_req > 0), other=0)
     end_block = tl.where(block_e == 0, last_end - last_start - OVERHEAD, block_e)
@@ -133,14 +179,13 @@ def _flashmla_schedule_kernel(
     single = r_b == last_req
     first_split = tl.where(single, (block_b != 0) | (block_e != 0), block_b != 0)
     last_split = tl.where(single, first_split, block_e != 0)
-    begin_split = tl.where(block_b != 0, part - start_b // q, 0)
 
     row = meta_ptr + part * 8
     tl.store(row + 0, tl.where(work, r_b, batch_size), mask=live)
     tl.store(row + 1, tl.where(work, last_req, batch_size - 1), mask=live)
     tl.store(row + 2, tl.where(work, block_b, 0), mask=live)
     tl.store(row + 3, tl.where(work, end_block, 0), mask=live)
-    tl.store(row + 4, tl.where(work, begin_split, 0), mask=live)
+    tl.store(row + 4, tl.where(work, split_b, 0), mask=live)
     tl.store(row + 5, (work & first_split).to(tl.int32), mask=live)
     tl.store(row + 6, (work & last_split).to(tl.int32), mask=live)
     tl.store(row + 7, part * 0, mask=live)
@@ -150,10 +195,11 @@ def flashmla_schedule(
     seq_lens: torch.Tensor,
     tile_metadata: torch.Tensor,
     num_splits: torch.Tensor,
-    request_ends: torch.Tensor,
+    request_scratch: torch.Tensor,
     boundary_owners: torch.Tensor,
     *,
     chunk: int = 128,
+    num_warps: int = 4,
 ) -> None:
     """Fill FlashMLA's dense-decode schedule for ``seq_lens`` (one launch, capturable).
 
@@ -163,11 +209,12 @@ def flashmla_schedule(
             ``tile_scheduler_metadata``; ``num_sm_parts`` as FlashMLA derives it for the
             step's heads and query length).
         num_splits: ``[batch + 1]`` int32, written (prefix sum of pieces per request).
-        request_ends: int32 scratch, at least ``batch`` entries (each request's end in
-            schedule units).
+        request_scratch: ``[REQUEST_SCRATCH_ROWS, >= batch]`` int32 scratch (per request:
+            its end in schedule units, the grid's anchor at it, its first boundary).
         boundary_owners: int32 scratch, at least ``num_sm_parts + 1`` entries (the request
-            each part boundary falls in). Separate from ``request_ends`` so that both keep
+            holding each part boundary). Separate from ``request_scratch`` so that both keep
             their allocation's alignment (Triton compiles a variant per alignment).
+        chunk, num_warps: requests per step of the request walk, and the program's warps.
     """
     batch = seq_lens.shape[0]
     parts = tile_metadata.shape[0]
@@ -176,13 +223,16 @@ def flashmla_schedule(
             f"schedule buffers [parts, {SCHED_META_INTS}] and [batch + 1] expected, got "
             f"{tuple(tile_metadata.shape)} and {tuple(num_splits.shape)} for batch {batch}"
         )
-    if request_ends.numel() < batch or boundary_owners.numel() < parts + 1:
+    if (request_scratch.dim() != 2 or request_scratch.shape[0] != REQUEST_SCRATCH_ROWS
+            or request_scratch.shape[1] < batch or request_scratch.stride(1) != 1
+            or boundary_owners.numel() < parts + 1):
         raise ValueError(
-            f"scratch of {request_ends.numel()} and {boundary_owners.numel()} int32 for "
-            f"batch {batch} and {parts} parts"
+            f"scratch [{REQUEST_SCRATCH_ROWS}, >= {batch}] and >= {parts + 1} int32 "
+            f"expected, got {tuple(request_scratch.shape)} and {boundary_owners.numel()}"
         )
     _flashmla_schedule_kernel[(1,)](
-        seq_lens, tile_metadata, num_splits, request_ends, boundary_owners, batch, parts,
+        seq_lens, tile_metadata, num_splits, request_scratch, request_scratch.stride(0),
+        boundary_owners, batch, parts,
         PAGE=FLASHMLA_PAGE, OVERHEAD=FLASHMLA_OVERHEAD_BLOCKS, CHUNK=chunk,
-        PARTS=triton.next_power_of_2(parts), num_warps=4,
+        PARTS=triton.next_power_of_2(parts), num_warps=num_warps,
     )

@@ -134,7 +134,11 @@ class FlashMLARoute(DecodeRoute):
         super().__init__(spec, device, max_batch_size, cuda_graph)
         import importlib
 
-        from ..kernels.flashmla_schedule import SCHED_META_INTS, flashmla_schedule
+        from ..kernels.flashmla_schedule import (
+            REQUEST_SCRATCH_ROWS,
+            SCHED_META_INTS,
+            flashmla_schedule,
+        )
 
         self._schedule_kernel = flashmla_schedule
         # Importing the interface loads vLLM's ``_flashmla_C`` extension and its ops.
@@ -144,12 +148,13 @@ class FlashMLARoute(DecodeRoute):
         self._query = RightAlignedQuery(spec, max_batch_size, spec.q_dtype, device)
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count
         #: The step's schedule: FlashMLA's ``DecodingSchedMeta`` rows (one per SM part) and
-        #: ``num_splits``, with its kernel's scratch (request ends, boundary owners).
+        #: ``num_splits``, with its kernel's scratch (per request, per part boundary).
         #: Persistent: a captured graph rewrites them in place on every replay.
         self._tile_metadata = torch.zeros(self._sms, SCHED_META_INTS, dtype=torch.int32,
                                           device=device)
         self._num_splits = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
-        self._request_ends = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self._request_scratch = torch.zeros(REQUEST_SCRATCH_ROWS, max_batch_size,
+                                            dtype=torch.int32, device=device)
         self._boundary_owners = torch.zeros(self._sms + 1, dtype=torch.int32, device=device)
         self._batch: DecodeBatch | None = None
         self._scheduled = self._capture_scheduled = False
@@ -174,7 +179,7 @@ class FlashMLARoute(DecodeRoute):
         capturing = torch.cuda.is_current_stream_capturing()
         if self._capture_scheduled if capturing else self._scheduled:
             return
-        self._schedule_kernel(self._seq_lens, *self._schedule, self._request_ends,
+        self._schedule_kernel(self._seq_lens, *self._schedule, self._request_scratch,
                               self._boundary_owners)
         if capturing:
             self._capture_scheduled = True

@@ -13,10 +13,13 @@ own dispatched time (``plugin[...]`` rows).
 
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
-vLLM's FLASHMLA is scored by the ``flashmla`` row where the file has one: the route runs
-FlashMLA's kernels as that backend does, its schedule kernel once per step (per graph of
-calls), while ``peer:vllm-flashmla`` rows timed before run 78 left the schedule kernel out
-(run 78: 2-3 us per call less than vLLM's FLASHMLA spends; the route within 0.5 us of it).
+In files of runs before 80 (``runNN-`` in the file name), vLLM's FLASHMLA is scored by the
+``flashmla`` row: the route then ran FlashMLA's kernels as that backend does, its schedule
+kernel once per step (per graph of calls), while those ``peer:vllm-flashmla`` rows left the
+schedule kernel out (found in run 78: 2-3 us per call less than vLLM's FLASHMLA spends).
+From run 80 the peer row has FlashMLA's schedule kernel in it; from run 85 the route writes
+its own schedule (``ops/kernels/flashmla_schedule.py``) and is no stand-in for vLLM's
+FLASHMLA.
 Eager picks of vLLM's FA3 kernel are scored by the ``vllm-fa3-mla-eager`` row where the
 file has one (no cap on its KV splits, as an eager decoder runs it; run 80 on), else by
 the capped ``vllm-fa3-mla`` row (0.999 of the uncapped time over run 80's 82 shapes).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Container
@@ -68,10 +72,21 @@ def policy_row(r: dict, lens: list[int], graph: bool = False,
 RULES = ("eager", "graph", "measured")
 
 
+#: First run whose ``peer:vllm-flashmla`` rows have FlashMLA's per-step schedule kernel in
+#: them (docs/benchmarks.md: found missing in run 78, put back for run 80).
+PEER_FLASHMLA_SCHEDULED_FROM_RUN = 80
+
+
+def peer_flashmla_unscheduled(path: str) -> bool:
+    """Whether the file's ``peer:vllm-flashmla`` rows left FlashMLA's schedule kernel out."""
+    run = re.match(r"run(\d+)-", path.rsplit("/", 1)[-1])
+    return run is not None and int(run.group(1)) < PEER_FLASHMLA_SCHEDULED_FROM_RUN
+
+
 def timed_rows(path: str) -> dict[str, dict[str, dict]]:
     """``{shape: {kernel: row}}`` of a bench_decode CSV: first-pass rows that timed ``ok``,
-    ``vllm-fa3-mla`` stood in for by ``peer:vllm-fa3-mla`` where missing, and
-    ``peer:vllm-flashmla`` by the ``flashmla`` row (see the module docstring)."""
+    ``vllm-fa3-mla`` stood in for by ``peer:vllm-fa3-mla`` where missing, and, in files of
+    runs before 80, ``peer:vllm-flashmla`` by the ``flashmla`` row (module docstring)."""
     by: dict[str, dict[str, dict]] = defaultdict(dict)
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
@@ -80,7 +95,8 @@ def timed_rows(path: str) -> dict[str, dict[str, dict]]:
     for ks in by.values():
         if "vllm-fa3-mla" not in ks and "peer:vllm-fa3-mla" in ks:
             ks["vllm-fa3-mla"] = ks["peer:vllm-fa3-mla"]
-        if "flashmla" in ks and "peer:vllm-flashmla" in ks:
+        if ("flashmla" in ks and "peer:vllm-flashmla" in ks
+                and peer_flashmla_unscheduled(path)):
             ks["peer:vllm-flashmla"] = ks["flashmla"]
     return by
 

@@ -442,15 +442,20 @@ def test_flashmla_peer_schedules_once_per_captured_step(monkeypatch):
 
 
 def test_policy_scores_flashmla_as_the_engine_runs_it(tmp_path):
-    """``evaluate_policy`` scores vLLM's FLASHMLA by the plugin's ``flashmla`` row (FlashMLA's
-    schedule kernel once per step, as vLLM runs it), not by peer rows that left it out."""
+    """``evaluate_policy`` scores vLLM's FLASHMLA by the plugin's ``flashmla`` row in files
+    of runs before 80 (FlashMLA's schedule kernel once per step, as vLLM runs it; those peer
+    rows left it out), and by the peer's own row from run 80 on (the route writes its own
+    schedule from run 85 and is no stand-in for vLLM's FLASHMLA)."""
     import evaluate_policy
 
-    path = tmp_path / "random-1.csv"
-    path.write_text("pass_no,shape,kernel,status,us,kv\n"
-                    "1,s,flashmla,ok,20.0,bf16\n"
-                    "1,s,peer:vllm-flashmla,ok,17.0,bf16\n"
-                    "1,s,peer:vllm-fa3-mla,ok,18.0,bf16\n")
-    rows = evaluate_policy.timed_rows(str(path))["s"]
-    assert float(rows["peer:vllm-flashmla"]["us"]) == 20.0
-    assert float(rows["vllm-fa3-mla"]["us"]) == 18.0  # stood in for by vLLM's FA3 peer
+    rows = ("pass_no,shape,kernel,status,us,kv\n"
+            "1,s,flashmla,ok,20.0,bf16\n"
+            "1,s,peer:vllm-flashmla,ok,17.0,bf16\n"
+            "1,s,peer:vllm-fa3-mla,ok,18.0,bf16\n")
+    for name, peer in (("run79-random-1.csv", 20.0), ("run80-random-20.csv", 17.0),
+                       ("random-1.csv", 17.0)):
+        path = tmp_path / name
+        path.write_text(rows)
+        timed = evaluate_policy.timed_rows(str(path))["s"]
+        assert float(timed["peer:vllm-flashmla"]["us"]) == peer, name
+        assert float(timed["vllm-fa3-mla"]["us"]) == 18.0  # stood in for by vLLM's FA3 peer

@@ -1,30 +1,29 @@
-"""FlashMLA's dense-decode tile schedule computed in one parallel Triton program.
+"""FlashMLA's dense-decode tile schedule computed in one Triton program.
 
 FlashMLA's SM90 dense decode (``dense_decode_fwd`` of vLLM's ``_flashmla_C``) takes its
 split-KV work plan as two int32 tensors, or computes them itself with
-``get_mla_metadata_kernel``: one warp whose first lane walks every SM part in turn
-(25.8 us on the H200 at one request, docs/benchmarks.md run 78), once per step. This
-kernel writes a plan with the same contract and the same load bound from prefix sums, every
-part at once, so the step pays one short launch instead.
+``get_mla_metadata_kernel``: one warp whose first lane walks every SM part in turn, once
+per step (9-94 us on the H200, docs/benchmarks.md run 85). This kernel writes the same plan
+(equal in every field FlashMLA's kernels read; tests/flashmla_schedule_cases.py,
+tests/gpu/test_flashmla_schedule_gpu.py) in 3-34 us (run 84).
 
 The plan. Each request ``j`` costs ``nb_j + OVERHEAD`` units (``nb_j = ceil(len_j / 64)``
-KV blocks, at least one, then ``OVERHEAD`` = 5 units for the work a piece costs beyond its
-blocks, FlashMLA's ``fixed_overhead_num_blocks``). Laid end to end the requests fill
-``[0, T)``, request ``j`` the units ``[s_j, e_j)``; part ``i`` takes ``[i q, (i + 1) q)`` with
-``q = ceil(T / parts)``. A boundary in a request's overhead units moves on to the next
-request's start, so a request's last piece is never split off its overhead, every piece
-holds at least one block, and no part costs more than ``q + OVERHEAD`` (blocks plus
-``OVERHEAD`` per piece): FlashMLA's own bound (``payload = ceil(T / parts) + OVERHEAD``).
-Request ``j`` is split at every multiple of ``q`` in ``(s_j, s_j + nb_j)``, so it has
-``ceil((s_j + nb_j) / q) - floor(s_j / q)`` pieces. On uniform batches the pieces are
-FlashMLA's; on random batches their count is a median 1.00 and a 90th percentile 1.03-1.04
-times FlashMLA's (up to 1.4-1.7 on a few small batches; tests/flashmla_schedule_cases.py). Pieces
-matter: each writes float32 partials (256 KB at 128 query rows) that a combine kernel reads.
+KV blocks, at least one, then ``OVERHEAD`` = 5 units, FlashMLA's
+``fixed_overhead_num_blocks``). Laid end to end the requests fill ``[0, T)``, request ``j``
+the units ``[s_j, e_j)``, blocks first. With ``q = ceil(T / parts)`` (FlashMLA's payload
+less its overhead), FlashMLA's walk gives part ``i + 1`` the start ``snap(x_i + q)``, where
+``snap`` moves a point in a request's overhead units to its end (the request fits whole)
+and leaves any other point (a split among its blocks, or a request start). So boundaries
+lie on a grid ``a + m q`` anchored at the last request end that a grid point snapped to.
+A walk over the requests, chunk by chunk, finds those anchors (a step per anchor: the
+first request past the anchor whose overhead holds a grid point, by one min-reduction);
+then each request's split points (grid points among its blocks), whether it ends on a
+boundary, its pieces and the index of its first boundary are closed forms, and every part
+reads its two boundaries.
 
-Output layout, FlashMLA's ``DecodingSchedMeta`` (32 bytes per part; on the H200, run 81, the
-bundled extension's own rows for parts with work matched its scheduler as transcribed in
-tests/flashmla_schedule_cases.py, and the route on this kernel's first form passed its
-float64 tests; tests/gpu/test_flashmla_schedule_gpu.py):
+Output layout, FlashMLA's ``DecodingSchedMeta`` (32 bytes per part; on the H200, run 84,
+this kernel's rows equal the bundled extension's own for every part with work, and the
+route on them passes its float64 tests; tests/gpu/test_flashmla_schedule_gpu.py):
 ``[begin_req, end_req, begin_block, end_block, begin_split, first_split, last_split, 0]``
 with ``end_req`` inclusive and ``end_block`` exclusive; a part with no work has
 ``begin_req = batch`` (the kernel returns at once for it). ``num_splits[batch + 1]`` is the

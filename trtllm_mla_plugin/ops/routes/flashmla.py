@@ -5,14 +5,14 @@ FlashMLA takes a uniform query ``[batch, q_len, heads, Dc + Dr]``, 64-token page
 bf16/fp16 cache of the query's dtype (FP8 caches go to ``flashmla-fp8``, another entry point).
 Ragged query lengths are padded (``RightAlignedQuery``).
 
-The split-KV schedule is the plugin's (``kernels.flashmla_schedule``: FlashMLA's contract
-and load bound, every SM part at once) in persistent buffers handed to FlashMLA's
-``dense_decode_fwd``; left to itself FlashMLA schedules with a one-warp kernel that takes
-25.8 us per step (docs/benchmarks.md, run 78). The schedule is launched by the first ``run``
-of a step and reused by the other layers. While a CUDA graph is being captured, ``run``
-launches it once per plan, so the graph recomputes the schedule from the persistent
-``seq_lens`` on every replay; reusing one computed by an eager warm-up run would bake the
-warm-up step's split of the KV into the graph.
+The split-KV schedule is FlashMLA's own plan written by the plugin's kernel
+(``kernels.flashmla_schedule``, 3-34 us per step on the H200) into persistent buffers handed
+to FlashMLA's ``dense_decode_fwd``; left to itself FlashMLA computes the same plan with a
+one-warp kernel that takes 9-94 us per step (docs/benchmarks.md, runs 84-85). The
+schedule is launched by the first ``run`` of a step and reused by the other layers. While a
+CUDA graph is being captured, ``run`` launches it once per plan, so the graph recomputes the
+schedule from the persistent ``seq_lens`` on every replay; reusing one computed by an eager
+warm-up run would bake the warm-up step's split of the KV into the graph.
 """
 
 from __future__ import annotations

@@ -205,19 +205,24 @@ def bytes_flops(case: Case) -> tuple[int, float]:
     return nbytes, 2.0 * spec.num_heads * (D + DC) * visible
 
 
-def capture_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> torch.cuda.CUDAGraph:
-    """One CUDA graph of ``reps`` calls of ``fn``, rotating over the case's cache copies."""
-    for c in case.caches[:2]:
-        fn(c)  # warm-up (JIT, lazy state) outside capture
+def capture_calls(call, reps: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of ``call(0)``, ..., ``call(reps - 1)``, captured on a side stream."""
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         for i in range(reps):
-            fn(case.caches[i % len(case.caches)])
+            call(i)
     torch.cuda.synchronize()
     return graph
+
+
+def capture_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of ``reps`` calls of ``fn``, rotating over the case's cache copies."""
+    for c in case.caches[:2]:
+        fn(c)  # warm-up (JIT, lazy state) outside capture
+    return capture_calls(lambda i: fn(case.caches[i % len(case.caches)]), reps)
 
 
 def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> float:

@@ -36,6 +36,12 @@ FIXED = [(16, 1, 1024, "u", 1, bd.BF, 64), (32, 4, 2048, "u", 1, bd.BF, 64),
          (16, 512, 1024, "r", 1, bd.BF, 64), (128, 32, 4096, "u", 4, bd.BF, 64)]
 
 
+def _graph_us(fn, reps: int = 20) -> float:
+    """Median us per call of ``fn`` from replays of a graph of ``reps`` calls."""
+    fn()  # warm-up (JIT) outside capture
+    return bd.time_replays(bd.capture_calls(lambda _: fn(), reps), reps)
+
+
 def time_schedule_kernel(device: torch.device) -> None:
     gen = torch.Generator().manual_seed(0)
     for batch in (1, 32, 128, 187, 512, 1024):
@@ -55,29 +61,9 @@ def time_schedule_kernel(device: torch.device) -> None:
                 for chunk, warps in ((32, 1), (64, 2), (128, 4)):
                     launch = functools.partial(flashmla_schedule, lens, meta, splits,
                                                scratch, owners, chunk=chunk, num_warps=warps)
-                    launch()
-                    torch.cuda.synchronize()
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-                        for _ in range(20):
-                            launch()
-                    times.append(f"{chunk}/{warps}w {bd.time_replays(graph, 20):.2f}")
+                    times.append(f"{chunk}/{warps}w {_graph_us(launch):.2f}")
                 print(f"schedule kernel b{batch} {kind} parts{parts}: us per launch "
                       + ", ".join(times), flush=True)
-
-
-def _graph_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            fn()
-    return bd.time_replays(graph, reps)
 
 
 def time_flashmla_own_schedule(device: torch.device) -> None:

@@ -107,7 +107,7 @@ def random_lens(rng: random.Random) -> tuple[list[int], int]:
     return lens, parts
 
 
-def plugin_schedule(lens: list[int], parts: int, device: str = "cpu"):
+def plugin_schedule(lens: list[int], parts: int, device: str = "cpu", **launch):
     import torch
 
     from trtllm_mla_plugin.ops.kernels.flashmla_schedule import flashmla_schedule
@@ -117,7 +117,7 @@ def plugin_schedule(lens: list[int], parts: int, device: str = "cpu"):
     ends = torch.full((3, max(len(lens), 1)), -7, dtype=torch.int32, device=device)
     owners = torch.full((parts + 1,), -7, dtype=torch.int32, device=device)
     flashmla_schedule(torch.tensor(lens, dtype=torch.int32, device=device), meta, splits,
-                      ends, owners)
+                      ends, owners, **launch)
     return meta.cpu().tolist(), splits.cpu().tolist()
 
 

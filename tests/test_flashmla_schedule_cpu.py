@@ -4,7 +4,7 @@ against FlashMLA's own scheduler, transcribed (tests/flashmla_schedule_cases.py)
 compiled for Hopper. On the H200 the FlashMLA route runs on it against float64 and the
 layout is checked against FlashMLA's own schedule (tests/gpu/test_flashmla_schedule_gpu.py).
 The interpreter runs one program sequentially, so the kernel's barriers between its passes
-are checked only there (``test_kernel_gives_valid_schedules``)."""
+are checked only there (``test_kernel_gives_flashmla_schedules``)."""
 
 from __future__ import annotations
 

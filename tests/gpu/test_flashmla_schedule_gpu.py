@@ -44,14 +44,16 @@ def _flashmla_ops():
 
 def _own_schedule(lens: list[int], heads: int, q_len: int):
     """FlashMLA's decode on a small random problem with no schedule given: the schedule its
-    metadata kernel computed, as the extension returns it."""
+    metadata kernel computed, as the extension returns it. A length of 0 (a CUDA-graph
+    padding slot) is given to FlashMLA as 0 over a problem built with one token there."""
     ops = _flashmla_ops()
-    p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
-                     dtype=BF16, kv_dtype=BF16, device=torch.device("cuda"))
+    p = make_problem(heads=heads, block=64, lens=[max(n, q_len) for n in lens],
+                     q_lens=q_len, dtype=BF16, kv_dtype=BF16, device=torch.device("cuda"))
     b = len(lens)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=p.batch.seq_lens.device)
     _, _, meta, splits = ops.dense_decode_fwd(
         p.query.view(b, q_len, heads, HEAD_DIM), p.kv_cache.unsqueeze(-2), 512,
-        p.batch.seq_lens, p.batch.block_table, 0.1, q_len > 1, None, None, None)
+        seq_lens, p.batch.block_table, 0.1, q_len > 1, None, None, None)
     return meta.cpu().tolist(), splits.cpu().tolist()
 
 
@@ -78,12 +80,15 @@ def test_kernel_writes_flashmla_own_schedule():
         assert same_schedule(lens, mine, mine_splits, meta, splits), (i, lens)
 
 
-def test_kernel_gives_flashmla_schedules():
+@pytest.mark.parametrize("chunk,num_warps", [(128, 4), (64, 2), (32, 1)])
+def test_kernel_gives_flashmla_schedules(chunk: int, num_warps: int):
+    """The default launch and the two the bench also times (requests per step, warps)."""
     _flashmla_ops()
     rng = random.Random(7)
     for _ in range(300):
         lens, parts = random_lens(rng)
-        rows, splits = plugin_schedule(lens, parts, device="cuda")
+        rows, splits = plugin_schedule(lens, parts, device="cuda", chunk=chunk,
+                                       num_warps=num_warps)
         check_schedule(lens, rows, splits)
         assert same_schedule(lens, rows, splits, *flashmla_greedy(lens, parts)), lens
 
@@ -121,3 +126,19 @@ def test_route_on_its_schedule_matches_reference(seed: int):
           f"max={worst:.2e} vs-own-schedule={rel_own:.1e}")
     assert rel < rel_bound and worst < max_bound, (rel, worst)
     assert rel_own < 5e-3, rel_own
+
+
+def test_padding_slots_as_flashmla_schedules_them():
+    """Zero-length requests (CUDA-graph padding slots) among real ones, one query token:
+    the plugin's schedule equals the extension's own. Last in the file: FlashMLA's decode
+    runs on the zero-length slots here."""
+    rng = random.Random(5)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for _ in range(12):
+        b = rng.choice([2, 16, 40, 129])
+        lens = [0 if rng.random() < 0.3 else rng.randint(1, 5000) for _ in range(b)]
+        heads = rng.choice([16, 64, 128])
+        meta, splits = _own_schedule(lens, heads, 1)
+        parts = max(sms // -(-heads // 64), 1)
+        mine, mine_splits = plugin_schedule(lens, parts, device="cuda")
+        assert same_schedule(lens, mine, mine_splits, meta, splits), lens

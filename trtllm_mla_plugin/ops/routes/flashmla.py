@@ -8,7 +8,7 @@ Ragged query lengths are padded (``RightAlignedQuery``).
 The split-KV schedule is FlashMLA's own plan written by the plugin's kernel
 (``kernels.flashmla_schedule``, 3-34 us per step on the H200) into persistent buffers handed
 to FlashMLA's ``dense_decode_fwd``; left to itself FlashMLA computes the same plan with a
-one-warp kernel that takes 9-94 us per step (docs/benchmarks.md, runs 84-85). The
+one-warp kernel that takes 9-91 us per step (docs/benchmarks.md, runs 84-85). The
 schedule is launched by the first ``run`` of a step and reused by the other layers. While a
 CUDA graph is being captured, ``run`` launches it once per plan, so the graph recomputes the
 schedule from the persistent ``seq_lens`` on every replay; reusing one computed by an eager

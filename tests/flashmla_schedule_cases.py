@@ -43,8 +43,10 @@ def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[
                     split += 1
                 break
         row[1] = req if block > 0 else req - 1
-        row[3] = block if block > 0 else nb[req - 1]
-        row[6] = int(row[3] != nb[row[1]])
+        # A zero-length request (a padding slot) is scheduled as one block but written as
+        # ending at block 0, and never as split.
+        row[3] = block if block > 0 else 0 if lens[req - 1] == 0 else nb[req - 1]
+        row[6] = int(row[3] != nb[row[1]] and lens[row[1]] != 0)
         if row[0] == row[1]:
             row[5] = row[6] = row[5] | row[6]
         rows.append(row)
@@ -72,6 +74,8 @@ def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int]) ->
         for r in range(first_req, last_req + 1):
             lo = first_block if r == first_req else 0
             hi = last_block if r == last_req else nb[r]
+            if lens[r] == 0 and r == last_req and hi == 0:
+                hi = 1  # a padding slot: its one scheduled block, written as ending at 0
             assert 0 <= lo < hi <= nb[r], (row, r)
             for k in range(lo, hi):
                 covered[r][k] += 1

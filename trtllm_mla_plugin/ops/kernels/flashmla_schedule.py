@@ -173,7 +173,11 @@ def _flashmla_schedule_kernel(
     has_last = work & (last_req >= 0)
     last_end = tl.load(ends_ptr + last_req, mask=has_last, other=0)
     last_start = tl.load(ends_ptr + last_req - 1, mask=has_last & (last_req > 0), other=0)
-    end_block = tl.where(block_e == 0, last_end - last_start - OVERHEAD, block_e)
+    # A zero-length request (a CUDA-graph padding slot) is scheduled as one block but, as
+    # FlashMLA writes it, ends at block 0.
+    last_len = tl.load(seq_lens_ptr + last_req, mask=has_last, other=1)
+    whole = tl.where(last_len == 0, 0, last_end - last_start - OVERHEAD)
+    end_block = tl.where(block_e == 0, whole, block_e)
     # FlashMLA's flags: a part holding one request marks it split at both ends if at either.
     single = r_b == last_req
     first_split = tl.where(single, (block_b != 0) | (block_e != 0), block_b != 0)

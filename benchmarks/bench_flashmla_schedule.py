@@ -6,7 +6,7 @@
    launch, for batches 1-1024 (random lengths, and uniform ones, whose boundaries snap to
    request ends most), 132/66/33 SM parts, three (requests per step, warps) settings;
 2. FlashMLA's own scheduler alone (batches of the same sizes), by difference of graph
-   times;
+   times; and its dense FP8 scheduler, timed directly, beside this kernel's FP8 layout;
 3. the ``flashmla`` route (the plugin's schedule) against ``peer:vllm-flashmla`` (FlashMLA's
    own schedule kernel once per graph of 10 calls, as vLLM's FLASHMLA runs once per step):
    graph-timed medians of three alternations on fixed shapes and on random bf16 set
@@ -72,7 +72,13 @@ def time_flashmla_own_schedule(device: torch.device) -> None:
     against 20 calls on a schedule computed before."""
     importlib.import_module(dk.FLASHMLA_MODULE)
     decode = torch.ops._flashmla_C.dense_decode_fwd
+    try:
+        importlib.import_module("vllm._flashmla_extension_C")
+        fp8_ops = torch.ops._flashmla_extension_C
+    except ImportError:
+        fp8_ops = None
     gen = torch.Generator().manual_seed(1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     for batch in (1, 32, 128, 187, 512, 1024):
         for kind in ("random 2048", "uniform 1315", "uniform 64"):
             if kind.startswith("random"):
@@ -90,6 +96,9 @@ def time_flashmla_own_schedule(device: torch.device) -> None:
             block_table = block_table.to(device)
             lens = lens.to(torch.int32).to(device)
             cache = torch.randn(start, 64, 1, 576, dtype=torch.bfloat16, device=device)
+            scratch = torch.empty(REQUEST_SCRATCH_ROWS, batch, dtype=torch.int32,
+                                  device=device)
+            owners = torch.empty(sms + 1, dtype=torch.int32, device=device)
             for heads, q_len in ((64, 1), (128, 1), (128, 2)):
                 q = torch.randn(batch, q_len, heads, 576, dtype=torch.bfloat16, device=device)
                 _, _, meta, splits = decode(q, cache, 512, lens, block_table, 0.1, q_len > 1,
@@ -99,6 +108,15 @@ def time_flashmla_own_schedule(device: torch.device) -> None:
                 given = _graph_us(functools.partial(decode, *args, meta, splits, None))
                 print(f"flashmla own schedule b{batch} {kind} parts{meta.shape[0]}: "
                       f"{own - given:.2f} us per launch (decode {given:.2f} us)", flush=True)
+                if fp8_ops is not None:
+                    fp8 = _graph_us(functools.partial(
+                        fp8_ops.get_mla_decoding_metadata_dense_fp8, lens, q_len * heads, 1))
+                    mine = _graph_us(functools.partial(
+                        flashmla_schedule, lens, meta, splits, scratch, owners,
+                        fp8_layout=True))
+                    print(f"flashmla fp8 own schedule b{batch} {kind} parts{meta.shape[0]}: "
+                          f"{fp8:.2f} us per launch, the plugin's fp8 layout {mine:.2f}",
+                          flush=True)
 
 
 def route_against_peer(device: torch.device, seed: int, count: int) -> None:

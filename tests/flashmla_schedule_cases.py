@@ -53,6 +53,36 @@ def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[
     return rows, splits
 
 
+def flashmla_fp8_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[int]]:
+    """FlashMLA's dense FP8 schedule (``get_mla_decoding_metadata_dense_fp8``, the older
+    scheduler): the same walk, a zero-length request counted as no blocks, rows
+    ``[begin_idx, begin_seqlen, end_idx, end_seqlen, begin_split]`` in tokens."""
+    nb = [-(-n // PAGE) for n in lens]
+    b = len(nb)
+    payload = -(-sum(n + OVERHEAD for n in nb) // parts) + OVERHEAD
+    req = block = split = cum = 0
+    splits, rows = [0], []
+    for _ in range(parts):
+        row = [req, block * PAGE, 0, 0, split]
+        remain = payload
+        while req < b:
+            left = nb[req] - block
+            if remain >= left + OVERHEAD:
+                cum += split + 1
+                splits.append(cum)
+                remain -= left + OVERHEAD
+                req, block, split = req + 1, 0, 0
+            else:
+                if remain - OVERHEAD > 0:
+                    block += remain - OVERHEAD
+                    split += 1
+                break
+        row[2] = req if block > 0 else req - 1
+        row[3] = block * PAGE if block > 0 else lens[req - 1]
+        rows.append(row)
+    return rows, splits
+
+
 def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int]) -> int:
     """Assert that ``rows``/``splits`` are a schedule FlashMLA's kernels compute correctly
     with: every KV block of every request in exactly one part, non-empty ranges, a request's
@@ -112,6 +142,7 @@ def random_lens(rng: random.Random) -> tuple[list[int], int]:
 
 
 def plugin_schedule(lens: list[int], parts: int, device: str = "cpu", **launch):
+    """The plugin's kernel on ``lens``: its rows (all 8 ints) and ``num_splits``."""
     import torch
 
     from trtllm_mla_plugin.ops.kernels.flashmla_schedule import flashmla_schedule
@@ -135,6 +166,13 @@ def same_schedule(lens: list[int], rows, splits, want_rows, want_splits) -> bool
         for got, want in zip(rows, want_rows, strict=True))
 
 
+def same_fp8_schedule(rows, splits, want_rows, want_splits) -> bool:
+    """The plugin's FP8-layout rows equal FlashMLA's dense FP8 schedule in the five fields
+    FlashMLA writes (every part, with or without work), the rest zero."""
+    return splits == want_splits and [r[:5] for r in rows] == want_rows and all(
+        r[5:] == [0, 0, 0] for r in rows)
+
+
 def main(cases: int) -> int:
     rng = random.Random(11)
     for i in range(cases):
@@ -146,7 +184,9 @@ def main(cases: int) -> int:
         assert all(row[7] == 0 for row in rows)
         want_rows, want_splits = flashmla_greedy(lens, parts)
         assert same_schedule(lens, rows, splits, want_rows, want_splits), (i, lens, parts)
-    print(f"schedule: {cases} cases valid and equal to FlashMLA's own")
+        rows, splits = plugin_schedule(lens, parts, fp8_layout=True)
+        assert same_fp8_schedule(rows, splits, *flashmla_fp8_greedy(lens, parts)), (i, lens)
+    print(f"schedule: {cases} cases valid and equal to FlashMLA's own (bf16 and FP8)")
     return 0
 
 

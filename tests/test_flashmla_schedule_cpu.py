@@ -33,7 +33,7 @@ def test_schedule_kernel_under_interpreter():
     proc = _interpreted(str(HERE / "flashmla_schedule_cases.py"), "80")
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "80 cases valid and equal to FlashMLA's own" in proc.stdout
+    assert "80 cases valid and equal to FlashMLA's own (bf16 and FP8)" in proc.stdout
 
 
 def test_empty_batch_gives_empty_parts():
@@ -80,7 +80,7 @@ def test_schedule_kernel_compiles_for_hopper():
     sig = {"seq_lens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32",
            "scratch_ptr": "*i32", "scratch_stride": "i32", "owner_ptr": "*i32",
            "batch_size": "i32", "num_parts": "i32"}
-    consts = {"PAGE": 64, "OVERHEAD": 5, "CHUNK": 128, "PARTS": 256}
+    consts = {"PAGE": 64, "OVERHEAD": 5, "CHUNK": 128, "PARTS": 256, "FP8_LAYOUT": False}
     sig.update({name: "constexpr" for name in consts})
     try:
         compiled = triton.compile(ASTSource(kernels._flashmla_schedule_kernel, sig, consts),

@@ -1,7 +1,8 @@
-"""The FlashMLA route's own schedule kernel (``kernels.flashmla_schedule``) on the GPU: what
-it writes against the schedule vLLM's FlashMLA extension computes for itself and against
-FlashMLA's scheduler transcribed, and the route on it against the float64 reference and
-against FlashMLA on its own schedule (vLLM's FLASHMLA call)."""
+"""The FlashMLA routes' own schedule kernel (``kernels.flashmla_schedule``) on the GPU: what
+it writes against the schedules vLLM's FlashMLA extensions compute for themselves (bf16
+dense decode, dense FP8) and against FlashMLA's schedulers transcribed, and the route on it
+against the float64 reference and against FlashMLA on its own schedule (vLLM's FLASHMLA
+call)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from mla_cases import HEAD_DIM, bounds, errors, make_problem, reference, route_s
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashmla_schedule_cases import (
     check_schedule,
+    flashmla_fp8_greedy,
     flashmla_greedy,
     plugin_schedule,
     random_lens,
+    same_fp8_schedule,
     same_schedule,
 )
 
@@ -126,6 +129,34 @@ def test_route_on_its_schedule_matches_reference(seed: int):
           f"max={worst:.2e} vs-own-schedule={rel_own:.1e}")
     assert rel < rel_bound and worst < max_bound, (rel, worst)
     assert rel_own < 5e-3, rel_own
+
+
+def test_fp8_layout_is_flashmla_fp8_own_schedule():
+    """FlashMLA's dense FP8 scheduler (``get_mla_decoding_metadata_dense_fp8``, which vLLM's
+    FLASHMLA runs for FP8 caches) equals its transcription and the plugin's kernel with
+    ``fp8_layout``, every field it writes, zero-length padding slots included."""
+    _flashmla_ops()
+    try:
+        import vllm._flashmla_extension_C  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"vLLM's FlashMLA FP8 extension is not importable: {exc}")
+    ops = torch.ops._flashmla_extension_C
+    rng = random.Random(31)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for i in range(60):
+        lens, _ = random_lens(rng)
+        if i % 3 == 2:
+            lens = [rng.choice([0, 1, 64, 65, 1315, 2048])] * rng.randint(1, 200)
+        heads, q_len = rng.choice([(16, 1), (64, 1), (128, 1), (16, 4), (64, 2), (128, 2)])
+        meta, splits = ops.get_mla_decoding_metadata_dense_fp8(
+            torch.tensor(lens, dtype=torch.int32, device="cuda"), q_len * heads, 1)
+        own = [row[:5] for row in meta.cpu().tolist()]
+        parts = sms // -(-q_len * heads // 64)
+        assert len(own) == parts
+        want = flashmla_fp8_greedy(lens, parts)
+        assert (own, splits.cpu().tolist()) == want, (i, lens)
+        mine, mine_splits = plugin_schedule(lens, parts, device="cuda", fp8_layout=True)
+        assert same_fp8_schedule(mine, mine_splits, *want), (i, lens)
 
 
 def test_padding_slots_as_flashmla_schedules_them():

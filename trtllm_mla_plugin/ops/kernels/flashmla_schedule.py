@@ -48,9 +48,11 @@ _NO_HIT = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _blocks(seq_lens_ptr, idx, ok, PAGE: tl.constexpr):
+def _blocks(seq_lens_ptr, idx, ok, PAGE: tl.constexpr, MIN_BLOCKS: tl.constexpr):
     length = tl.load(seq_lens_ptr + idx, mask=ok, other=1)
-    return (tl.maximum(length, 1) - 1) // PAGE + 1
+    if MIN_BLOCKS == 1:
+        length = tl.maximum(length, 1)
+    return (length + PAGE - 1) // PAGE
 
 
 @triton.jit
@@ -60,33 +62,42 @@ def _max(a, b):
 
 @triton.jit
 def _request_boundaries(start, end, anchor, q, OVERHEAD: tl.constexpr):
-    """Request ``[start, end)`` under grid ``anchor + m q``: its split points (grid points
-    among its blocks), whether it ends on a boundary (a grid point in its overhead units,
-    snapped to ``end``, or exactly at ``end``), and whether it re-anchors the grid."""
-    n_split = (end - OVERHEAD - 1 - anchor) // q - (start - anchor) // q
-    snaps = (end - 1 - anchor) % q < OVERHEAD
-    ends_on_boundary = snaps | ((end - anchor) % q == 0)
-    return n_split, ends_on_boundary, snaps
+    """Request ``[start, end)`` (blocks, then ``OVERHEAD`` units) under the grid
+    ``anchor + m q``, ``m >= 1``: whether a part starts at its start (a grid point there,
+    blocks to run), its split points (grid points among its blocks), and whether a part ends
+    at its end (a grid point among its overhead units, snapped to ``end``: the grid
+    re-anchors there)."""
+    blocks = end - start - OVERHEAD
+    starts_part = (start > anchor) & ((start - anchor) % q == 0) & (blocks > 0)
+    n_split = tl.where(blocks > 0, (start + blocks - 1 - anchor) // q - (start - anchor) // q,
+                       0)
+    back = (end - 1 - anchor) % q
+    snaps = (back < OVERHEAD) & (end - 1 - back > anchor)
+    return starts_part, n_split, snaps
 
 
 @triton.jit
 def _boundary(k, live, ends_ptr, anchors_ptr, firsts_ptr, owner_ptr, q, batch_size,
               OVERHEAD: tl.constexpr):
     """Part boundary ``k`` as (request, block, piece index): boundary 0 is the batch's
-    start; a request's ``t``-th boundary is its ``t``-th split point, or its end (the next
-    request's start); past the last boundary, ``(batch, 0, 0)``."""
+    start; a request's boundaries are its start (if a part starts there), its split points,
+    then its end (the next request's start) if it snaps; past the last boundary,
+    ``(batch, 0, 0)``."""
     req = tl.load(owner_ptr + k, mask=live & (k > 0), other=-1)
     has = live & (req >= 0)
     start = tl.load(ends_ptr + req - 1, mask=has & (req > 0), other=0)
-    end = tl.load(ends_ptr + req, mask=has, other=1)
+    end = tl.load(ends_ptr + req, mask=has, other=OVERHEAD)
     anchor = tl.load(anchors_ptr + req, mask=has, other=0)
     t = k - tl.load(firsts_ptr + req, mask=has, other=0)
-    n_split, ends_on_boundary, _ = _request_boundaries(start, end, anchor, q, OVERHEAD)
-    split = has & (t < n_split)
-    at_end = has & (t == n_split) & ends_on_boundary
-    point = anchor + ((start - anchor) // q + 1 + t) * q
-    req = tl.where(split, req, tl.where(at_end, req + 1, tl.where(k == 0, 0, batch_size)))
-    return req, tl.where(split, point - start, 0), tl.where(split, t + 1, 0)
+    starts_part, n_split, snaps = _request_boundaries(start, end, anchor, q, OVERHEAD)
+    u = t - starts_part.to(tl.int32)
+    at_start = has & starts_part & (t == 0)
+    split = has & (u >= 0) & (u < n_split)
+    at_end = has & (u == n_split) & snaps
+    point = anchor + ((start - anchor) // q + 1 + u) * q
+    req = tl.where(at_start | split, req,
+                   tl.where(at_end, req + 1, tl.where(k == 0, 0, batch_size)))
+    return req, tl.where(split, point - start, 0), tl.where(split, u + 1, 0)
 
 
 @triton.jit(do_not_specialize=["batch_size", "num_parts"])
@@ -94,7 +105,10 @@ def _flashmla_schedule_kernel(
     seq_lens_ptr, meta_ptr, num_splits_ptr, scratch_ptr, scratch_stride, owner_ptr,
     batch_size, num_parts,
     PAGE: tl.constexpr, OVERHEAD: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+    FP8_LAYOUT: tl.constexpr,
 ):
+    # The dense FP8 scheduler counts a zero-length request as no blocks, the bf16 one as one.
+    MIN_BLOCKS: tl.constexpr = 0 if FP8_LAYOUT else 1
     ends_ptr = scratch_ptr
     anchors_ptr = scratch_ptr + scratch_stride
     firsts_ptr = scratch_ptr + 2 * scratch_stride
@@ -106,15 +120,15 @@ def _flashmla_schedule_kernel(
     for start in range(0, batch_size, CHUNK):
         idx = start + offs
         ok = idx < batch_size
-        cost = tl.where(ok, _blocks(seq_lens_ptr, idx, ok, PAGE) + OVERHEAD, 0)
+        cost = tl.where(ok, _blocks(seq_lens_ptr, idx, ok, PAGE, MIN_BLOCKS) + OVERHEAD, 0)
         tl.store(ends_ptr + idx, total + tl.cumsum(cost, axis=0), mask=ok)
         total += tl.sum(cost, axis=0)
     q = tl.maximum((total + num_parts - 1) // num_parts, 1)  # batch 0: no division by 0
     tl.debug_barrier()
 
     # Pass 2, request by request: the grid's anchor (the last request end it snapped to),
-    # each request's split points and end boundary, pieces -> num_splits, and the index of
-    # its first boundary; a request holding a boundary writes its index there.
+    # each request's boundaries and pieces -> num_splits, and the index of its first
+    # boundary; a request holding a boundary writes its index there.
     tl.store(num_splits_ptr, 0)
     anchor = batch_size * 0
     splits = batch_size * 0
@@ -123,30 +137,32 @@ def _flashmla_schedule_kernel(
         idx = start + offs
         ok = idx < batch_size
         end = tl.load(ends_ptr + idx, mask=ok, other=0)
-        # The first request past the anchor whose overhead units hold a grid point (its end
-        # is the smallest such) re-anchors the grid for the requests after it. Phases
-        # (units mod q) keep the division out of the loop.
+        # The first request past the anchor whose overhead units hold a grid point after
+        # the anchor (its end is the smallest such) re-anchors the grid for the requests
+        # after it. Phases (units mod q) keep the division out of the loop.
         phase = end % q
         lane_anchor = offs * 0
-        behind = phase - 1 - anchor % q
-        hit = ok & (end > anchor) & (tl.where(behind < 0, behind + q, behind) < OVERHEAD)
+        back = phase - 1 - anchor % q
+        back = tl.where(back < 0, back + q, back)
+        hit = ok & (end > anchor) & (back < OVERHEAD) & (end - 1 - back > anchor)
         first = tl.min(tl.where(hit, end, _NO_HIT), axis=0)
         while first < _NO_HIT:
             lane_anchor = tl.where((end > anchor) & (end <= first), anchor, lane_anchor)
             anchor = first
-            behind = phase - 1 - anchor % q
-            hit = ok & (end > anchor) & (tl.where(behind < 0, behind + q, behind) < OVERHEAD)
+            back = phase - 1 - anchor % q
+            back = tl.where(back < 0, back + q, back)
+            hit = ok & (end > anchor) & (back < OVERHEAD) & (end - 1 - back > anchor)
             first = tl.min(tl.where(hit, end, _NO_HIT), axis=0)
         lane_anchor = tl.where(end > anchor, anchor, lane_anchor)
         tl.store(anchors_ptr + idx, lane_anchor, mask=ok)
 
-        begin = end - _blocks(seq_lens_ptr, idx, ok, PAGE) - OVERHEAD
-        n_split, ends_on_boundary, _ = _request_boundaries(begin, end, lane_anchor, q,
-                                                           OVERHEAD)
+        begin = end - _blocks(seq_lens_ptr, idx, ok, PAGE, MIN_BLOCKS) - OVERHEAD
+        starts_part, n_split, snaps = _request_boundaries(begin, end, lane_anchor, q,
+                                                          OVERHEAD)
         pieces = tl.where(ok, n_split + 1, 0)
         tl.store(num_splits_ptr + 1 + idx, splits + tl.cumsum(pieces, axis=0), mask=ok)
         splits += tl.sum(pieces, axis=0)
-        held = tl.where(ok, n_split + ends_on_boundary.to(tl.int32), 0)
+        held = tl.where(ok, starts_part.to(tl.int32) + n_split + snaps.to(tl.int32), 0)
         firsts = bounds + tl.cumsum(held, axis=0) - held
         tl.store(firsts_ptr + idx, firsts, mask=ok)
         tl.store(owner_ptr + firsts, idx, mask=ok & (held > 0) & (firsts <= num_parts))
@@ -167,30 +183,41 @@ def _flashmla_schedule_kernel(
     r_e, block_e, _ = _boundary(part + 1, live, ends_ptr, anchors_ptr, firsts_ptr,
                                 owner_ptr, q, batch_size, OVERHEAD)
     work = live & (r_b < batch_size)
-
     # A part ending at a request's start ends with the whole previous request.
     last_req = tl.where(block_e == 0, r_e - 1, r_e)
-    has_last = work & (last_req >= 0)
-    last_end = tl.load(ends_ptr + last_req, mask=has_last, other=0)
-    last_start = tl.load(ends_ptr + last_req - 1, mask=has_last & (last_req > 0), other=0)
-    # A zero-length request (a CUDA-graph padding slot) is scheduled as one block but, as
-    # FlashMLA writes it, ends at block 0.
-    last_len = tl.load(seq_lens_ptr + last_req, mask=has_last, other=1)
-    whole = tl.where(last_len == 0, 0, last_end - last_start - OVERHEAD)
-    end_block = tl.where(block_e == 0, whole, block_e)
-    # FlashMLA's flags: a part holding one request marks it split at both ends if at either.
-    single = r_b == last_req
-    first_split = tl.where(single, (block_b != 0) | (block_e != 0), block_b != 0)
-    last_split = tl.where(single, first_split, block_e != 0)
-
+    last_len = tl.load(seq_lens_ptr + last_req, mask=live & (last_req >= 0), other=0)
     row = meta_ptr + part * 8
-    tl.store(row + 0, tl.where(work, r_b, batch_size), mask=live)
-    tl.store(row + 1, tl.where(work, last_req, batch_size - 1), mask=live)
-    tl.store(row + 2, tl.where(work, block_b, 0), mask=live)
-    tl.store(row + 3, tl.where(work, end_block, 0), mask=live)
-    tl.store(row + 4, tl.where(work, split_b, 0), mask=live)
-    tl.store(row + 5, (work & first_split).to(tl.int32), mask=live)
-    tl.store(row + 6, (work & last_split).to(tl.int32), mask=live)
+    if FP8_LAYOUT:
+        # [begin_idx, begin_seqlen, end_idx, end_seqlen, begin_n_split_idx], in tokens;
+        # a part without work as FlashMLA writes it (begin_idx = batch, end_idx = batch - 1).
+        tl.store(row + 0, r_b, mask=live)
+        tl.store(row + 1, block_b * PAGE, mask=live)
+        tl.store(row + 2, last_req, mask=live)
+        tl.store(row + 3, tl.where(block_e == 0, last_len, block_e * PAGE), mask=live)
+        tl.store(row + 4, split_b, mask=live)
+        tl.store(row + 5, part * 0, mask=live)
+        tl.store(row + 6, part * 0, mask=live)
+    else:
+        has_last = work & (last_req >= 0)
+        last_end = tl.load(ends_ptr + last_req, mask=has_last, other=0)
+        last_start = tl.load(ends_ptr + last_req - 1, mask=has_last & (last_req > 0),
+                             other=0)
+        # A zero-length request (a CUDA-graph padding slot) is scheduled as one block but,
+        # as FlashMLA writes it, ends at block 0.
+        whole = tl.where(last_len == 0, 0, last_end - last_start - OVERHEAD)
+        end_block = tl.where(block_e == 0, whole, block_e)
+        # FlashMLA's flags: a part holding one request marks it split at both ends if at
+        # either.
+        single = r_b == last_req
+        first_split = tl.where(single, (block_b != 0) | (block_e != 0), block_b != 0)
+        last_split = tl.where(single, first_split, block_e != 0)
+        tl.store(row + 0, tl.where(work, r_b, batch_size), mask=live)
+        tl.store(row + 1, tl.where(work, last_req, batch_size - 1), mask=live)
+        tl.store(row + 2, tl.where(work, block_b, 0), mask=live)
+        tl.store(row + 3, tl.where(work, end_block, 0), mask=live)
+        tl.store(row + 4, tl.where(work, split_b, 0), mask=live)
+        tl.store(row + 5, (work & first_split).to(tl.int32), mask=live)
+        tl.store(row + 6, (work & last_split).to(tl.int32), mask=live)
     tl.store(row + 7, part * 0, mask=live)
 
 
@@ -201,6 +228,7 @@ def flashmla_schedule(
     request_scratch: torch.Tensor,
     boundary_owners: torch.Tensor,
     *,
+    fp8_layout: bool = False,
     chunk: int = 128,
     num_warps: int = 4,
 ) -> None:
@@ -217,6 +245,10 @@ def flashmla_schedule(
         boundary_owners: int32 scratch, at least ``num_sm_parts + 1`` entries (the request
             holding each part boundary). Separate from ``request_scratch`` so that both keep
             their allocation's alignment (Triton compiles a variant per alignment).
+        fp8_layout: the schedule of FlashMLA's dense FP8 kernel
+            (``get_mla_decoding_metadata_dense_fp8`` of vLLM's ``_flashmla_extension_C``)
+            instead: rows ``[begin_idx, begin_seqlen, end_idx, end_seqlen, begin_split, 0,
+            0, 0]`` in tokens, a zero-length request counted as no blocks.
         chunk, num_warps: requests per step of the request walk, and the program's warps.
     """
     batch = seq_lens.shape[0]
@@ -237,5 +269,5 @@ def flashmla_schedule(
         seq_lens, tile_metadata, num_splits, request_scratch, request_scratch.stride(0),
         boundary_owners, batch, parts,
         PAGE=FLASHMLA_PAGE, OVERHEAD=FLASHMLA_OVERHEAD_BLOCKS, CHUNK=chunk,
-        PARTS=triton.next_power_of_2(parts), num_warps=num_warps,
+        PARTS=triton.next_power_of_2(parts), FP8_LAYOUT=fp8_layout, num_warps=num_warps,
     )

@@ -11,8 +11,11 @@ flashmla.py``) and FlashMLA's ``flash_fwd_mla_fp8`` interface:
 * ``descale_q`` / ``descale_k``: float32 ``[1]`` device tensors (real = stored * descale);
   the cache's descale serves both its K and V roles;
 * scheduling metadata from the step's lengths: ``tile_scheduler_metadata [parts, 8]`` and
-  ``num_splits [batch + 1]`` int32, computed on the device in ``plan`` and copied into
-  persistent buffers (as vLLM's builder does) so captured launches read each step's split.
+  ``num_splits [batch + 1]`` int32, written in ``plan`` into persistent buffers so that
+  captured launches read each step's split. The plugin's kernel writes them
+  (``kernels.flashmla_schedule`` with ``fp8_layout``: the plan of FlashMLA's FP8 scheduler,
+  ``get_mla_decoding_metadata_dense_fp8``, which vLLM's FLASHMLA builder runs and copies
+  into its buffers every step).
 
 The query is read in FP8. An engine hands it over already quantised (vLLM's fused
 concat + quantise, see ``engine_query_dtype``); a bf16 query is quantised here (saturating
@@ -32,7 +35,7 @@ import torch
 from ..platform import Platform
 from ..spec import FP8_DTYPES, DecodeBatch, DecodeSpec, KVScales
 from .base import DecodeRoute, StagedTables, module_available, saturate_to_fp8
-from .flashmla import RightAlignedQuery, flashmla_shape_reason
+from .flashmla import FLASHMLA_ROWS_PER_PART, RightAlignedQuery, flashmla_shape_reason
 
 EXTENSION_MODULE = "vllm._flashmla_extension_C"
 FP8 = torch.float8_e4m3fn
@@ -80,12 +83,18 @@ class FlashMLAFP8Route(DecodeRoute):
             torch.empty(max_batch_size * spec.max_q_len, spec.num_heads, spec.head_dim,
                         dtype=FP8, device=device)
         )
+        from ..kernels.flashmla_schedule import REQUEST_SCRATCH_ROWS, flashmla_schedule
+
+        self._schedule_kernel = flashmla_schedule
         # Scheduling metadata of the planned step, at fixed addresses: at most one part per
-        # SM (FlashMLA's bound) and one split offset per request.
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._tile_metadata = torch.zeros(sms, TILE_METADATA_WIDTH, dtype=torch.int32,
+        # SM (FlashMLA's bound) and one split offset per request; the kernel's scratch.
+        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._tile_metadata = torch.zeros(self._sms, TILE_METADATA_WIDTH, dtype=torch.int32,
                                           device=device)
         self._num_splits = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
+        self._request_scratch = torch.zeros(REQUEST_SCRATCH_ROWS, max_batch_size,
+                                            dtype=torch.int32, device=device)
+        self._boundary_owners = torch.zeros(self._sms + 1, dtype=torch.int32, device=device)
         #: float32 [1] descale tensors by value. Why cached: the kernel reads them through
         #: a pointer, so they must outlive a captured launch, and making one per call would
         #: copy from the host on every layer.
@@ -96,13 +105,11 @@ class FlashMLAFP8Route(DecodeRoute):
         b, m = batch.batch_size, batch.max_q_len
         self._block_table, self._seq_lens = self._tables.stage(batch)
         self._query.plan(batch)
-        tiles, splits = self._ops.get_mla_decoding_metadata_dense_fp8(
-            self._seq_lens, m * self.spec.num_heads, 1
-        )
-        parts = tiles.shape[0]
-        self._tile_metadata[:parts].copy_(tiles)
-        self._num_splits[: b + 1].copy_(splits)
+        # FlashMLA's FP8 parts: one per 64 query rows per SM (one KV head).
+        parts = max(self._sms // -(-m * self.spec.num_heads // FLASHMLA_ROWS_PER_PART), 1)
         self._schedule = (self._tile_metadata[:parts], self._num_splits[: b + 1])
+        self._schedule_kernel(self._seq_lens, *self._schedule, self._request_scratch,
+                              self._boundary_owners, fp8_layout=True)
         self._batch = batch
 
     def _descale(self, value: float) -> torch.Tensor:

@@ -5,7 +5,9 @@ split-KV work plan as two int32 tensors, or computes them itself with
 ``get_mla_metadata_kernel``: one warp whose first lane walks every SM part in turn, once
 per step (9-91 us on the H200, docs/benchmarks.md run 85). This kernel writes the same plan
 (equal in every field FlashMLA's kernels read; tests/flashmla_schedule_cases.py,
-tests/gpu/test_flashmla_schedule_gpu.py) in 3-34 us (run 84).
+tests/gpu/test_flashmla_schedule_gpu.py) in 3-34 us (run 84). With ``fp8_layout`` it writes
+the plan of FlashMLA's dense FP8 scheduler instead (``get_mla_decoding_metadata_dense_fp8``,
+4-66 us per step; the same walk in an older row layout; run 86).
 
 The plan. Each request ``j`` costs ``nb_j + OVERHEAD`` units (``nb_j = ceil(len_j / 64)``
 KV blocks, at least one, then ``OVERHEAD`` = 5 units, FlashMLA's

@@ -19,16 +19,15 @@ def blocks(lens: list[int]) -> list[int]:
     return [(max(n, 1) - 1) // PAGE + 1 for n in lens]
 
 
-def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[int]]:
-    """FlashMLA's own schedule (its metadata kernel's walk over parts), rows of
-    ``DecodingSchedMeta`` without the padding int, and ``num_splits``."""
-    nb = blocks(lens)
+def _flashmla_walk(nb: list[int], parts: int):
+    """FlashMLA's scheduler walk over ``parts`` SM parts for requests of ``nb`` blocks: per
+    part its start (request, block, piece) and end (request, block), then ``num_splits``."""
     b = len(nb)
     payload = -(-sum(n + OVERHEAD for n in nb) // parts) + OVERHEAD
     req = block = split = cum = 0
-    splits, rows = [0], []
+    splits, walk = [0], []
     for _ in range(parts):
-        row = [req, 0, block, 0, split, int(block != 0), 0]
+        begin = (req, block, split)
         remain = payload
         while req < b:
             left = nb[req] - block
@@ -42,7 +41,18 @@ def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[
                     block += remain - OVERHEAD
                     split += 1
                 break
-        row[1] = req if block > 0 else req - 1
+        walk.append((begin, (req, block)))
+    return walk, splits
+
+
+def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[int]]:
+    """FlashMLA's own schedule (its metadata kernel's walk over parts), rows of
+    ``DecodingSchedMeta`` without the padding int, and ``num_splits``."""
+    nb = blocks(lens)
+    walk, splits = _flashmla_walk(nb, parts)
+    rows = []
+    for (req0, block0, split0), (req, block) in walk:
+        row = [req0, req if block > 0 else req - 1, block0, 0, split0, int(block0 != 0), 0]
         # A zero-length request (a padding slot) is scheduled as one block but written as
         # ending at block 0, and never as split.
         row[3] = block if block > 0 else 0 if lens[req - 1] == 0 else nb[req - 1]
@@ -57,29 +67,10 @@ def flashmla_fp8_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], l
     """FlashMLA's dense FP8 schedule (``get_mla_decoding_metadata_dense_fp8``, the older
     scheduler): the same walk, a zero-length request counted as no blocks, rows
     ``[begin_idx, begin_seqlen, end_idx, end_seqlen, begin_split]`` in tokens."""
-    nb = [-(-n // PAGE) for n in lens]
-    b = len(nb)
-    payload = -(-sum(n + OVERHEAD for n in nb) // parts) + OVERHEAD
-    req = block = split = cum = 0
-    splits, rows = [0], []
-    for _ in range(parts):
-        row = [req, block * PAGE, 0, 0, split]
-        remain = payload
-        while req < b:
-            left = nb[req] - block
-            if remain >= left + OVERHEAD:
-                cum += split + 1
-                splits.append(cum)
-                remain -= left + OVERHEAD
-                req, block, split = req + 1, 0, 0
-            else:
-                if remain - OVERHEAD > 0:
-                    block += remain - OVERHEAD
-                    split += 1
-                break
-        row[2] = req if block > 0 else req - 1
-        row[3] = block * PAGE if block > 0 else lens[req - 1]
-        rows.append(row)
+    walk, splits = _flashmla_walk([-(-n // PAGE) for n in lens], parts)
+    rows = [[req0, block0 * PAGE, req if block > 0 else req - 1,
+             block * PAGE if block > 0 else lens[req - 1], split0]
+            for (req0, block0, split0), (req, block) in walk]
     return rows, splits
 
 

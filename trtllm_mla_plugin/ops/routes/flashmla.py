@@ -106,6 +106,47 @@ class RightAlignedQuery:
         return out
 
 
+class FlashMLASchedule:
+    """A step's FlashMLA split-KV schedule, written by ``kernels.flashmla_schedule``:
+    ``tile_metadata [parts, 8]`` (one row per SM part, at most one part per SM) and
+    ``num_splits [batch + 1]`` int32, with the kernel's scratch. Persistent: captured decode
+    launches read them, and a captured schedule launch rewrites them, in place on every
+    replay. ``fp8_layout``: the plan of FlashMLA's dense FP8 scheduler."""
+
+    def __init__(self, max_batch_size: int, device: torch.device, fp8_layout: bool = False):
+        from ..kernels.flashmla_schedule import (
+            REQUEST_SCRATCH_ROWS,
+            SCHED_META_INTS,
+            flashmla_schedule,
+        )
+
+        self._kernel = flashmla_schedule
+        self._fp8_layout = fp8_layout
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        ints = {"dtype": torch.int32, "device": device}
+        self._tile_metadata = torch.zeros(self.sms, SCHED_META_INTS, **ints)
+        self._num_splits = torch.zeros(max_batch_size + 1, **ints)
+        self._request_scratch = torch.zeros(REQUEST_SCRATCH_ROWS, max_batch_size, **ints)
+        self._boundary_owners = torch.zeros(self.sms + 1, **ints)
+        self.buffers: tuple[torch.Tensor, torch.Tensor] = (self._tile_metadata,
+                                                           self._num_splits[:1])
+
+    def num_parts(self, query_rows: int) -> int:
+        """FlashMLA's SM parts for ``query_rows`` (query tokens x heads) per request (its
+        decode checks the schedule's shape against the same formula)."""
+        return max(self.sms // -(-query_rows // FLASHMLA_ROWS_PER_PART), 1)
+
+    def plan(self, batch_size: int, query_rows: int) -> None:
+        """Select the step's views (``buffers``: tile metadata, num_splits)."""
+        self.buffers = (self._tile_metadata[: self.num_parts(query_rows)],
+                        self._num_splits[: batch_size + 1])
+
+    def write(self, seq_lens: torch.Tensor) -> None:
+        """Launch the kernel for the planned step's ``seq_lens [batch]`` int32."""
+        self._kernel(seq_lens, *self.buffers, self._request_scratch, self._boundary_owners,
+                     fp8_layout=self._fp8_layout)
+
+
 class FlashMLARoute(DecodeRoute):
     name = "flashmla"
     kernel = "FlashMLA (vLLM bundle) flash_mla_with_kvcache"
@@ -134,43 +175,20 @@ class FlashMLARoute(DecodeRoute):
         super().__init__(spec, device, max_batch_size, cuda_graph)
         import importlib
 
-        from ..kernels.flashmla_schedule import (
-            REQUEST_SCRATCH_ROWS,
-            SCHED_META_INTS,
-            flashmla_schedule,
-        )
-
-        self._schedule_kernel = flashmla_schedule
         # Importing the interface loads vLLM's ``_flashmla_C`` extension and its ops.
         importlib.import_module(FLASHMLA_MODULE)
         self._decode = torch.ops._flashmla_C.dense_decode_fwd
         self._tables = StagedTables(max_batch_size, device)
         self._query = RightAlignedQuery(spec, max_batch_size, spec.q_dtype, device)
-        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
-        #: The step's schedule: FlashMLA's ``DecodingSchedMeta`` rows (one per SM part) and
-        #: ``num_splits``, with its kernel's scratch (per request, per part boundary).
-        #: Persistent: a captured graph rewrites them in place on every replay.
-        self._tile_metadata = torch.zeros(self._sms, SCHED_META_INTS, dtype=torch.int32,
-                                          device=device)
-        self._num_splits = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
-        self._request_scratch = torch.zeros(REQUEST_SCRATCH_ROWS, max_batch_size,
-                                            dtype=torch.int32, device=device)
-        self._boundary_owners = torch.zeros(self._sms + 1, dtype=torch.int32, device=device)
+        self._schedule = FlashMLASchedule(max_batch_size, device)
         self._batch: DecodeBatch | None = None
         self._scheduled = self._capture_scheduled = False
-
-    def num_sm_parts(self, q_len: int) -> int:
-        """FlashMLA's SM parts for ``q_len`` query tokens per request (its decode checks the
-        schedule's shape against the same formula)."""
-        tiles = -(-q_len * self.spec.num_heads // FLASHMLA_ROWS_PER_PART)
-        return max(self._sms // tiles, 1)
 
     def plan(self, batch: DecodeBatch) -> None:
         self._block_table, self._seq_lens = self._tables.stage(batch)
         self._query.plan(batch)
         b = batch.batch_size
-        self._schedule = (self._tile_metadata[: self.num_sm_parts(batch.max_q_len)],
-                          self._num_splits[: b + 1])
+        self._schedule.plan(b, batch.max_q_len * self.spec.num_heads)
         self._scheduled = self._capture_scheduled = False
         self._batch = batch
 
@@ -179,8 +197,7 @@ class FlashMLARoute(DecodeRoute):
         capturing = torch.cuda.is_current_stream_capturing()
         if self._capture_scheduled if capturing else self._scheduled:
             return
-        self._schedule_kernel(self._seq_lens, *self._schedule, self._request_scratch,
-                              self._boundary_owners)
+        self._schedule.write(self._seq_lens)
         if capturing:
             self._capture_scheduled = True
         else:
@@ -208,7 +225,7 @@ class FlashMLARoute(DecodeRoute):
             # The same math for one query token per request; vLLM passes True, and the mask
             # costs FlashMLA time at q_len 1 (docs/benchmarks.md, run 19).
             m > 1,
-            *self._schedule,
+            *self._schedule.buffers,
             out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,
         )
         if direct:

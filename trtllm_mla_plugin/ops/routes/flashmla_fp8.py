@@ -35,12 +35,10 @@ import torch
 from ..platform import Platform
 from ..spec import FP8_DTYPES, DecodeBatch, DecodeSpec, KVScales
 from .base import DecodeRoute, StagedTables, module_available, saturate_to_fp8
-from .flashmla import FLASHMLA_ROWS_PER_PART, RightAlignedQuery, flashmla_shape_reason
+from .flashmla import FlashMLASchedule, RightAlignedQuery, flashmla_shape_reason
 
 EXTENSION_MODULE = "vllm._flashmla_extension_C"
 FP8 = torch.float8_e4m3fn
-#: FlashMLA's ``TileSchedulerMetaDataSize``.
-TILE_METADATA_WIDTH = 8
 
 
 class FlashMLAFP8Route(DecodeRoute):
@@ -83,18 +81,7 @@ class FlashMLAFP8Route(DecodeRoute):
             torch.empty(max_batch_size * spec.max_q_len, spec.num_heads, spec.head_dim,
                         dtype=FP8, device=device)
         )
-        from ..kernels.flashmla_schedule import REQUEST_SCRATCH_ROWS, flashmla_schedule
-
-        self._schedule_kernel = flashmla_schedule
-        # Scheduling metadata of the planned step, at fixed addresses: at most one part per
-        # SM (FlashMLA's bound) and one split offset per request; the kernel's scratch.
-        self._sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._tile_metadata = torch.zeros(self._sms, TILE_METADATA_WIDTH, dtype=torch.int32,
-                                          device=device)
-        self._num_splits = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=device)
-        self._request_scratch = torch.zeros(REQUEST_SCRATCH_ROWS, max_batch_size,
-                                            dtype=torch.int32, device=device)
-        self._boundary_owners = torch.zeros(self._sms + 1, dtype=torch.int32, device=device)
+        self._schedule = FlashMLASchedule(max_batch_size, device, fp8_layout=True)
         #: float32 [1] descale tensors by value. Why cached: the kernel reads them through
         #: a pointer, so they must outlive a captured launch, and making one per call would
         #: copy from the host on every layer.
@@ -105,11 +92,8 @@ class FlashMLAFP8Route(DecodeRoute):
         b, m = batch.batch_size, batch.max_q_len
         self._block_table, self._seq_lens = self._tables.stage(batch)
         self._query.plan(batch)
-        # FlashMLA's FP8 parts: one per 64 query rows per SM (one KV head).
-        parts = max(self._sms // -(-m * self.spec.num_heads // FLASHMLA_ROWS_PER_PART), 1)
-        self._schedule = (self._tile_metadata[:parts], self._num_splits[: b + 1])
-        self._schedule_kernel(self._seq_lens, *self._schedule, self._request_scratch,
-                              self._boundary_owners, fp8_layout=True)
+        self._schedule.plan(b, m * self.spec.num_heads)
+        self._schedule.write(self._seq_lens)
         self._batch = batch
 
     def _descale(self, value: float) -> torch.Tensor:
@@ -130,7 +114,7 @@ class FlashMLAFP8Route(DecodeRoute):
         spec = self.spec
         if self._query8 is not None:
             query = saturate_to_fp8(query, self._query8)
-        tiles, splits = self._schedule
+        tiles, splits = self._schedule.buffers
         result, _ = self._ops.fwd_kvcache_mla_fp8(
             self._query.gather(query),
             kv_cache.unsqueeze(-2),

@@ -46,6 +46,37 @@ def test_empty_batch_gives_empty_parts():
     assert proc.stdout.strip() == str([[0, -1, 0, 0, 0, 0, 0, 0]] * 4) + " [0]"
 
 
+SCHEDULE_BUFFERS_SCRIPT = """
+import types, torch
+from flashmla_schedule_cases import (flashmla_fp8_greedy, flashmla_greedy, same_fp8_schedule,
+                                     same_schedule)
+torch.cuda.get_device_properties = lambda device: types.SimpleNamespace(
+    multi_processor_count=132)
+from trtllm_mla_plugin.ops.routes.flashmla import FlashMLASchedule
+lens = [0, 5000, 64, 65, 1, 30000, 700]
+for fp8, heads, q_len in ((False, 16, 1), (False, 128, 2), (True, 64, 4), (True, 16, 1)):
+    schedule = FlashMLASchedule(16, torch.device("cpu"), fp8_layout=fp8)
+    schedule.plan(len(lens), heads * q_len)
+    schedule.write(torch.tensor(lens, dtype=torch.int32))
+    meta, splits = (t.tolist() for t in schedule.buffers)
+    parts = 132 // -(-heads * q_len // 64)
+    want = (flashmla_fp8_greedy if fp8 else flashmla_greedy)(lens, parts)
+    assert len(meta) == parts
+    assert (same_fp8_schedule(meta, splits, *want) if fp8
+            else same_schedule(lens, meta, splits, *want)), (fp8, heads, q_len)
+print("schedule buffers ok")
+"""
+
+
+def test_route_schedule_buffers_write_flashmla_schedules():
+    """``FlashMLASchedule``, the routes' persistent buffers and launch, for the bf16 and
+    the FP8 route: FlashMLA's part count for the query rows, the step's views, FlashMLA's
+    plan in them (the interpreter, a stand-in 132-SM device)."""
+    proc = _interpreted("-c", SCHEDULE_BUFFERS_SCRIPT, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "schedule buffers ok" in proc.stdout
+
+
 def test_checker_accepts_flashmla_and_refuses_broken_schedules():
     """The checker the kernel is judged by: FlashMLA's own schedules pass it; a block
     given to two parts, a missing block, or a wrong piece count does not."""

@@ -467,7 +467,7 @@ def host_overhead(device, writer) -> None:
                 # FlashMLA's op on the route's schedule (the decoder's warm-up fills it).
                 def bare(c, q4=q4, out4=out4, r=r):
                     r._decode(q4, c.unsqueeze(-2), DC, r._seq_lens, r._block_table, SCALE,
-                              False, *r._schedule, out4)
+                              False, *r._schedule.buffers, out4)
             res = {}
             for name, fn in (("decoder", lambda c, k=k: k.call(c)), ("bare", bare)):
                 for _ in range(50):

@@ -10,18 +10,19 @@ the plan of FlashMLA's dense FP8 scheduler instead (``get_mla_decoding_metadata_
 4-66 us per step; the same walk in an older row layout; run 86).
 
 The plan. Each request ``j`` costs ``nb_j + OVERHEAD`` units (``nb_j = ceil(len_j / 64)``
-KV blocks, at least one, then ``OVERHEAD`` = 5 units, FlashMLA's
-``fixed_overhead_num_blocks``). Laid end to end the requests fill ``[0, T)``, request ``j``
-the units ``[s_j, e_j)``, blocks first. With ``q = ceil(T / parts)`` (FlashMLA's payload
+KV blocks, at least one for the bf16 scheduler and none for a zero-length request in the
+FP8 one, then ``OVERHEAD`` = 5 units, FlashMLA's ``fixed_overhead_num_blocks``). Laid
+end to end the requests fill ``[0, T)``, request ``j`` the units ``[s_j, e_j)``, blocks
+first. With ``q = ceil(T / parts)`` (FlashMLA's payload
 less its overhead), FlashMLA's walk gives part ``i + 1`` the start ``snap(x_i + q)``, where
 ``snap`` moves a point in a request's overhead units to its end (the request fits whole)
 and leaves any other point (a split among its blocks, or a request start). So boundaries
 lie on a grid ``a + m q`` anchored at the last request end that a grid point snapped to.
 A walk over the requests, chunk by chunk, finds those anchors (a step per anchor: the
 first request past the anchor whose overhead holds a grid point, by one min-reduction);
-then each request's split points (grid points among its blocks), whether it ends on a
-boundary, its pieces and the index of its first boundary are closed forms, and every part
-reads its two boundaries.
+then whether a part starts at a request's start, its split points (grid points among its
+blocks), whether it snaps, its pieces and the index of its first boundary are closed
+forms, and every part reads its two boundaries.
 
 Output layout, FlashMLA's ``DecodingSchedMeta`` (32 bytes per part; on the H200, run 84,
 this kernel's rows equal the bundled extension's own for every part with work, and the

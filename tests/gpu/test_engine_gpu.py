@@ -32,7 +32,7 @@ Run (H200 with the vLLM kit, from the repository root)::
     export TRTLLM_MLA_TEST_OUT=$OUT TRTLLM_MLA_ENGINE_CACHE=/tmp/trtllm-mla-engines
     python3 -m pytest -q -rs tests/gpu/test_engine_gpu.py -m "not slow"
 
-That starts 12 engines and one server (two with torch.compile). ``-m slow`` selects the
+That starts 13 engines and one server (two with torch.compile). ``-m slow`` selects the
 optional cases (MTP with 1 and 2 draft tokens, n-gram, FLASHMLA with MTP: 4 more engines);
 ``-k tensor_parallel`` needs two GPUs (2 engines). ``TRTLLM_MLA_TEST_OUT`` keeps every
 engine's log, config and result, and ``summary.json`` (engine times, agreement per
@@ -213,6 +213,10 @@ ENGINES: dict[str, EngineSpec] = {
     "flashmla-fp8": EngineSpec("main", {"block_size": 64, "kv_cache_dtype": "fp8",
                                         "attention_backend": "FLASHMLA",
                                         "compilation_config": FAST_GRAPHS}),
+    # FlashMLA's bf16 kernel on the plugin's own schedule kernel for every decode batch.
+    "trtllm-flashmla": EngineSpec("main", _trtllm(block_size=64,
+                                                  compilation_config=FAST_GRAPHS),
+                                  env={"TRTLLM_MLA_DECODE_ROUTE": "flashmla"}),
     "triton-fp8": EngineSpec("main", {"block_size": 64, "kv_cache_dtype": "fp8",
                                       "attention_backend": "TRITON_MLA",
                                       "compilation_config": FAST_GRAPHS}),
@@ -476,6 +480,18 @@ def test_fp8_kv_cache_matches_flashmla_fp8(engine):
     assert_vllm_served(ref, "FLASHMLA")
     assert_same_generations(engine, ours, ref, "mix", tol=FP8_TOL)
     assert_same_generations(engine, ours, ref, "prefix", tol=FP8_TOL)
+
+
+def test_flashmla_route_on_the_plugins_schedule_matches_flashmla(engine):
+    """The ``flashmla`` route forced for every decode batch under full CUDA graphs:
+    FlashMLA's bf16 kernel on the plan of the plugin's schedule kernel
+    (``ops/kernels/flashmla_schedule.py``), the padding slots of captured batches
+    included. Its generations match FLASHMLA's, which runs FlashMLA's own scheduler."""
+    ours, ref = engine("trtllm-flashmla"), engine("flashmla")
+    assert_plugin_served(ours)
+    assert ours.route() == "flashmla", ours.route()
+    assert_same_generations(engine, ours, ref, "mix")
+    assert_same_generations(engine, ours, ref, "prefix")
 
 
 def test_fp8_kv_cache_matches_triton_mla_fp8(engine):

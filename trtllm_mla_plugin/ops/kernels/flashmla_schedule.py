@@ -80,6 +80,16 @@ def _request_boundaries(start, end, anchor, q, OVERHEAD: tl.constexpr):
 
 
 @triton.jit
+def _next_anchor(ok, end, phase, anchor, q, OVERHEAD: tl.constexpr):
+    """The smallest request end past ``anchor`` whose overhead units hold a grid point
+    ``anchor + m q`` after the anchor (``phase = end % q``), or ``_NO_HIT``."""
+    back = phase - 1 - anchor % q
+    back = tl.where(back < 0, back + q, back)
+    hit = ok & (end > anchor) & (back < OVERHEAD) & (end - 1 - back > anchor)
+    return tl.min(tl.where(hit, end, _NO_HIT), axis=0)
+
+
+@triton.jit
 def _boundary(k, live, ends_ptr, anchors_ptr, firsts_ptr, owner_ptr, q, batch_size,
               OVERHEAD: tl.constexpr):
     """Part boundary ``k`` as (request, block, piece index): boundary 0 is the batch's
@@ -145,17 +155,11 @@ def _flashmla_schedule_kernel(
         # after it. Phases (units mod q) keep the division out of the loop.
         phase = end % q
         lane_anchor = offs * 0
-        back = phase - 1 - anchor % q
-        back = tl.where(back < 0, back + q, back)
-        hit = ok & (end > anchor) & (back < OVERHEAD) & (end - 1 - back > anchor)
-        first = tl.min(tl.where(hit, end, _NO_HIT), axis=0)
+        first = _next_anchor(ok, end, phase, anchor, q, OVERHEAD)
         while first < _NO_HIT:
             lane_anchor = tl.where((end > anchor) & (end <= first), anchor, lane_anchor)
             anchor = first
-            back = phase - 1 - anchor % q
-            back = tl.where(back < 0, back + q, back)
-            hit = ok & (end > anchor) & (back < OVERHEAD) & (end - 1 - back > anchor)
-            first = tl.min(tl.where(hit, end, _NO_HIT), axis=0)
+            first = _next_anchor(ok, end, phase, anchor, q, OVERHEAD)
         lane_anchor = tl.where(end > anchor, anchor, lane_anchor)
         tl.store(anchors_ptr + idx, lane_anchor, mask=ok)
 

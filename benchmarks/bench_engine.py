@@ -51,6 +51,15 @@ included), as in run 13. The attention share is the plugin decoder's own time fo
 layer at that batch (``ops.MLADecoder`` on the same lengths, CUDA-graph timed) x layers /
 decode step, for TRTLLM_MLA rows.
 
+``--core-steps`` (engines log stats) adds a second estimate that leaves the recompute step
+and each call's request setup out instead of differencing them away: vLLM's engine-core
+timestamps of each request's first and last token in the timed ``generate(1 + N)``
+(``RequestOutput.metrics``), N decode steps apart, median over requests (``core_step_ms``,
+fastest repeat; ``core_steps_each_ms``; ``core_decode_tokens_per_s``;
+``summarize_engine.py --core``). Why: at FP8 b32/b128 one engine's repeats of the
+difference estimate scattered by a median 17-35% (runs 89-90), at bf16 b128/b256 by 1-2%
+(runs 51-54); the timestamps tell whether the decode steps themselves scatter.
+
 Writes ``DIR/engine.csv`` and prints a table.
 """
 
@@ -69,7 +78,8 @@ from pathlib import Path
 
 FIELDS = ["round", "heads", "kv", "backend", "batch", "output_len", "decode_s", "tokens_per_s",
           "tpot_ms", "short_len", "short_s", "step_ms", "decode_tokens_per_s", "route",
-          "attn_layer_us", "attn_share", "status", "steps_each_ms"]
+          "attn_layer_us", "attn_share", "status", "steps_each_ms", "core_step_ms",
+          "core_steps_each_ms", "core_decode_tokens_per_s"]
 
 
 def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -126,8 +136,10 @@ def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None =
     return dec.route.name, ms * 100.0  # us per call
 
 
-def timed_generate(llm, prompts: list, n: int) -> float:
-    """Seconds for ``generate`` of exactly ``1 + n`` greedy tokens per prompt."""
+def timed_generate(llm, prompts: list, n: int, core_steps: list | None = None) -> float:
+    """Seconds for ``generate`` of exactly ``1 + n`` greedy tokens per prompt; with
+    ``core_steps``, also appends the decode step the engine core timed
+    (``core_decode_step_s``)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1 + n, min_tokens=1 + n, ignore_eos=True,
@@ -136,7 +148,26 @@ def timed_generate(llm, prompts: list, n: int) -> float:
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     assert all(len(o.outputs[0].token_ids) == 1 + n for o in outs)
+    if core_steps is not None:
+        core_steps.append(core_decode_step_s(outs))
     return dt
+
+
+def core_decode_step_s(outputs: list) -> float | None:
+    """Seconds per decode step by vLLM's engine-core timestamps (``RequestOutput.metrics``,
+    a ``RequestStateStats``, kept only when the engine logs stats): per request, from its
+    first token (the prefill or recompute step) to its last, over the decode steps between
+    them (``num_generation_tokens - 1``); the median over requests. ``None`` where the
+    engine kept no timestamps."""
+    import statistics
+
+    steps = []
+    for out in outputs:
+        m = getattr(out, "metrics", None)
+        n = getattr(m, "num_generation_tokens", 0)
+        if n > 1 and m.last_token_ts > m.first_token_ts:
+            steps.append((m.last_token_ts - m.first_token_ts) / (n - 1))
+    return statistics.median(steps) if steps else None
 
 
 def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture: list[int],
@@ -153,7 +184,8 @@ def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture:
         model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
         attention_backend=backend, kv_cache_dtype=args.kv, block_size=64,
         max_model_len=args.max_prompt + args.output_len + 8, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory, **graphs,
+        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory,
+        disable_log_stats=not getattr(args, "core_steps", False), **graphs,
     )
 
 
@@ -177,15 +209,22 @@ def set_route(backend_arg: str) -> tuple[str, str]:
 
 
 def step_row(args: argparse.Namespace, backend: str, batch: int, short_s: float,
-             dt: float) -> dict:
-    """One (backend, batch) row from the fastest ``1 + S`` and ``1 + N`` generate times."""
+             dt: float, core_steps: list[float | None] = ()) -> dict:
+    """One (backend, batch) row from the fastest ``1 + S`` and ``1 + N`` generate times,
+    and from the engine core's step of each ``1 + N`` repeat where it timed them."""
     step = (dt - short_s) / (args.output_len - args.short_len)
-    return dict(heads=args.heads, kv=args.kv, backend=backend, batch=batch,
-                output_len=args.output_len, decode_s=f"{dt:.4f}",
-                tokens_per_s=f"{batch * args.output_len / dt:.0f}",
-                tpot_ms=f"{dt / args.output_len * 1e3:.3f}", short_len=args.short_len,
-                short_s=f"{short_s:.4f}", step_ms=f"{step * 1e3:.3f}",
-                decode_tokens_per_s=f"{batch / step:.0f}", status="ok")
+    row = dict(heads=args.heads, kv=args.kv, backend=backend, batch=batch,
+               output_len=args.output_len, decode_s=f"{dt:.4f}",
+               tokens_per_s=f"{batch * args.output_len / dt:.0f}",
+               tpot_ms=f"{dt / args.output_len * 1e3:.3f}", short_len=args.short_len,
+               short_s=f"{short_s:.4f}", step_ms=f"{step * 1e3:.3f}",
+               decode_tokens_per_s=f"{batch / step:.0f}", status="ok")
+    timed = [s for s in core_steps if s is not None]
+    if timed:
+        row.update(core_step_ms=f"{min(timed) * 1e3:.3f}",
+                   core_steps_each_ms=";".join(f"{s * 1e3:.3f}" for s in timed),
+                   core_decode_tokens_per_s=f"{batch / min(timed):.0f}")
+    return row
 
 
 def alternating(names: list[str], repeats: int) -> list[list[str]]:
@@ -224,11 +263,12 @@ def worker(args: argparse.Namespace) -> None:
         # Fastest of --repeats runs each: the difference below amplifies one-off stalls.
         short = {n: [] for n in names}
         full = {n: [] for n in names}
+        core = {n: [] for n in names}
         for order in alternating(names, args.repeats):
             for n in order:
                 short[n].append(timed_generate(llms[n], prompts, args.short_len))
-                full[n].append(timed_generate(llms[n], prompts, args.output_len))
-        rows += [step_row(args, n, b, min(short[n]), min(full[n])) for n in names]
+                full[n].append(timed_generate(llms[n], prompts, args.output_len, core[n]))
+        rows += [step_row(args, n, b, min(short[n]), min(full[n]), core[n]) for n in names]
         # Every repeat's own step estimate too: how much one engine instance varies between
         # its repeats, against how much instances vary between rounds.
         span = args.output_len - args.short_len
@@ -272,7 +312,8 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
            "--short-len", str(args.short_len), "--repeats", str(args.repeats),
            "--min-prompt", str(args.min_prompt), "--max-prompt",
            str(args.max_prompt), "--seed", str(args.seed), "--layers",
-           str(args.layers), "--result", str(result), *(["--eager"] if args.eager else [])]
+           str(args.layers), "--result", str(result), *(["--eager"] if args.eager else []),
+           *(["--core-steps"] if args.core_steps else [])]
     log = args.out / f"log-{tag}.txt"
     with open(log, "w") as f:
         # Its own session, so that the engine processes it leaves behind (its worker exits
@@ -386,6 +427,9 @@ def main() -> None:
     ap.add_argument("--short-len", type=int, default=8,
                     help="decode steps of the shorter run the step time is differenced against")
     add_shared_args(ap)
+    ap.add_argument("--core-steps", action="store_true",
+                    help="engines log stats; rows add the decode step by vLLM's engine-core "
+                         "token timestamps (recompute step left out, not differenced)")
     ap.add_argument("--timeout", type=int, default=300,
                     help="seconds per engine process (with --paired: two engines)")
     ap.add_argument("--warmup-engine", action=argparse.BooleanOptionalAction, default=True,
@@ -432,6 +476,10 @@ def main() -> None:
 
         print()
         summarize_engine.print_table(summarize_engine.paired_points([rows]))
+        if args.core_steps:
+            print("\nBy the engine core's timestamps (--core-steps):")
+            summarize_engine.print_table(
+                summarize_engine.paired_points([rows], "core_decode_tokens_per_s"))
 
 
 def print_medians(rows: list[dict]) -> None:

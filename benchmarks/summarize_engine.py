@@ -1,10 +1,12 @@
 """Paired engine rounds of bench_engine.py (``--paired``) as ratios with an interval.
 
-``python benchmarks/summarize_engine.py [--plot out.png] engine.csv [more.csv ...]`` prints,
+``python benchmarks/summarize_engine.py [--core] [--plot out.png] engine.csv [more.csv ...]``
+prints,
 per (heads, KV dtype, batch) and per pair of backends, the decode tokens/s of TRTLLM_MLA over
 the other backend's in every round, their geometric mean, and an estimate balanced over
 creation order with its 95% interval (``--plot``: those estimates and intervals against 1,
-one marker per round; needs matplotlib). ``bench_engine.py --paired`` prints the table at
+one marker per round; needs matplotlib; ``--core``: the decode steps timed by vLLM's engine
+core, ``bench_engine.py --core-steps``). ``bench_engine.py --paired`` prints the table at
 its end.
 
 Why balanced: in a paired round one process creates both engines, and the engine created
@@ -67,12 +69,15 @@ class PairedPoint:
     created_first: float | None
 
 
-def paired_points(files: list[list[dict]]) -> list[PairedPoint]:
-    """``files``: the rows of each engine.csv (as ``csv.DictReader`` gives them)."""
+def paired_points(files: list[list[dict]],
+                  column: str = "decode_tokens_per_s") -> list[PairedPoint]:
+    """``files``: the rows of each engine.csv (as ``csv.DictReader`` gives them);
+    ``column``: the throughput compared (``core_decode_tokens_per_s``: by the engine
+    core's timestamps)."""
     groups: dict[tuple, list[dict]] = {}
     for i, rows in enumerate(files):
         for r in rows:
-            if r.get("status", "ok") == "ok" and r.get("decode_tokens_per_s"):
+            if r.get("status", "ok") == "ok" and r.get(column):
                 groups.setdefault((i, r["round"], r["heads"], r["kv"], int(r["batch"])),
                                   []).append(r)
     per_point: dict[tuple, list[tuple[float, bool]]] = {}
@@ -82,7 +87,7 @@ def paired_points(files: list[list[dict]]) -> list[PairedPoint]:
             continue
         plugin = rows[names.index(PLUGIN)]
         other = rows[1 - names.index(PLUGIN)]
-        ratio = float(plugin["decode_tokens_per_s"]) / float(other["decode_tokens_per_s"])
+        ratio = float(plugin[column]) / float(other[column])
         per_point.setdefault((heads, kv, batch, other["backend"]), []).append(
             (ratio, names[0] == PLUGIN))
     return [_point(key, values) for key, values in per_point.items()]
@@ -151,6 +156,10 @@ def plot(points: list[PairedPoint], dst: str) -> None:
 
 def main(*argv: str) -> None:
     args = list(argv)
+    column = "decode_tokens_per_s"
+    if "--core" in args:
+        args.remove("--core")
+        column = "core_decode_tokens_per_s"
     dst = None
     if "--plot" in args:
         i = args.index("--plot")
@@ -160,7 +169,7 @@ def main(*argv: str) -> None:
     for path in args:
         with open(path, newline="") as f:
             files.append(list(csv.DictReader(f)))
-    points = paired_points(files)
+    points = paired_points(files, column)
     print_table(points)
     if dst is not None:
         plot(points, dst)

@@ -149,6 +149,44 @@ def test_step_row_differences_the_two_generate_lengths():
     assert row["backend"] == "FLASHMLA" and row["status"] == "ok"
 
 
+def _output(first_ts: float, last_ts: float, tokens: int) -> object:
+    """A ``RequestOutput`` stand-in whose ``metrics`` is vLLM's own ``RequestStateStats``."""
+    from vllm.v1.metrics.stats import RequestStateStats
+
+    stats = RequestStateStats(first_token_ts=first_ts, last_token_ts=last_ts,
+                              num_generation_tokens=tokens)
+    return type("R", (), {"metrics": stats})()
+
+
+def test_core_decode_step_reads_the_engine_cores_token_timestamps():
+    """Per request (last - first token) / (tokens - 1), the median over requests; requests
+    without timestamps (stats off) or with one token do not count."""
+    pytest.importorskip("vllm")
+    outs = [_output(10.0, 10.32, 33), _output(10.0, 10.96, 33), _output(11.0, 11.64, 33),
+            _output(12.0, 12.0, 1), type("R", (), {"metrics": None})()]
+    assert bench_engine.core_decode_step_s(outs) == pytest.approx(0.02)  # 0.01, 0.03, 0.02
+    assert bench_engine.core_decode_step_s(outs[3:]) is None
+
+
+def test_step_row_keeps_the_fastest_core_step_and_every_repeat():
+    args = type("A", (), {"heads": 16, "kv": "fp8", "output_len": 336, "short_len": 16})()
+    row = bench_engine.step_row(args, "FLASHMLA", 128, short_s=0.5, dt=3.7,
+                                core_steps=[0.012, 0.008, None])
+    assert row["step_ms"] == "10.000"  # the difference estimate is unchanged
+    assert row["core_step_ms"] == "8.000" and row["core_steps_each_ms"] == "12.000;8.000"
+    assert row["core_decode_tokens_per_s"] == "16000"
+    assert "core_step_ms" not in bench_engine.step_row(args, "FLASHMLA", 128, 0.5, 3.7)
+
+
+def test_paired_ratio_by_the_core_column():
+    rows = [dict(round="0", heads="16", kv="fp8", batch="32", backend=b, status="ok",
+                 decode_tokens_per_s=d, core_decode_tokens_per_s=c)
+            for b, d, c in (("TRTLLM_MLA", "100", "110"), ("FLASHMLA", "100", "100"))]
+    [by_diff] = summarize_engine.paired_points([rows])
+    [by_core] = summarize_engine.paired_points([rows], "core_decode_tokens_per_s")
+    assert by_diff.ratios == (1.0,) and by_core.ratios == pytest.approx((1.1,))
+
+
 class _FakeLLM:
     """Stands in for ``vllm.LLM`` in the worker: records when it is timed and generates the
     requested number of tokens, advancing ``clock`` by 1 ms per token."""
@@ -236,15 +274,16 @@ def test_engine_processes_left_behind_by_a_worker_are_killed(monkeypatch, tmp_pa
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         open({str(tmp_path / "child.pid")!r}, "w").write(str(child.pid))
         result = sys.argv[sys.argv.index("--result") + 1]
-        open(result, "w").write(json.dumps([{{"status": "ok"}}]))
+        open(result, "w").write(json.dumps([{{"status": "ok",
+                                              "core": "--core-steps" in sys.argv}}]))
     """))
     monkeypatch.setattr(bench_engine, "__file__", str(fake))
     monkeypatch.setattr(bench_engine, "wait_for_free_gpu", lambda: True)
     args = type("A", (), dict(out=tmp_path, batches="2", output_len=6, short_len=2,
                               repeats=1, min_prompt=4, max_prompt=8, seed=0, layers=2,
-                              timeout=60, eager=False))()
+                              timeout=60, eager=False, core_steps=True))()
     rows = bench_engine.engine_rows(args, tmp_path / "model", 16, "auto", "TRTLLM_MLA", 0)
-    assert rows == [{"status": "ok", "round": 0}]
+    assert rows == [{"status": "ok", "core": True, "round": 0}]
     pid = int((tmp_path / "child.pid").read_text())
     for _ in range(50):
         if not _alive(pid):
@@ -278,7 +317,7 @@ def test_a_bench_stopped_from_outside_kills_its_running_engines(tmp_path):
         args = type("A", (), dict(out=__import__("pathlib").Path({str(tmp_path)!r}),
                                   batches="2", output_len=6, short_len=2, repeats=1,
                                   min_prompt=4, max_prompt=8, seed=0, layers=2, timeout=100,
-                                  eager=False))()
+                                  eager=False, core_steps=False))()
         bench_engine.stop_on_sigterm()
         bench_engine.engine_rows(args, "model", 16, "auto", "TRTLLM_MLA", 0)
     """))
@@ -387,13 +426,15 @@ def test_case_lengths_kinds():
 @pytest.mark.parametrize("eager", [False, True])
 def test_engines_run_with_cuda_graphs_unless_eager(monkeypatch, eager):
     """``--eager`` starts vLLM with ``enforce_eager`` and no capture sizes; otherwise
-    decode batches of the timed sizes are captured."""
+    decode batches of the timed sizes are captured. Stats (the engine core's token
+    timestamps) only with ``--core-steps``."""
     vllm = pytest.importorskip("vllm")
     seen = {}
     monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.update(kw))
     args = type("A", (), dict(model="m", kv="auto", max_prompt=64, output_len=8,
-                              eager=eager))()
+                              eager=eager, core_steps=eager))()
     bench_engine.make_llm(args, "TRTLLM_MLA", 32, [32, 8])
+    assert seen["disable_log_stats"] is (not eager)
     if eager:
         assert seen["enforce_eager"] is True and "compilation_config" not in seen
     else:

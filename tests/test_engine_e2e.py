@@ -151,3 +151,16 @@ def test_fp8_kv_cache_stays_close_to_the_unquantised_run(engine):
     assert len(moved) == len(exact.result["prompts"])
     assert max(moved) < 0.25
     assert max(moved) > 1e-4  # the cache really was FP8
+
+
+def test_engine_core_timestamps_cover_every_generated_token(vllm_cpu_mla):
+    """The engine keeps, per request, its core's timestamps of the first and last token and
+    the number of tokens (``RequestOutput.metrics`` with stats on): what
+    ``bench_engine.py --core-steps`` divides into decode steps (its arithmetic is tested in
+    ``test_bench_tools.py`` on vLLM's ``RequestStateStats``)."""
+    prompts = vllm_cpu_mla.result["prompts"]
+    assert all("core_ts" in p for p in prompts), prompts[0].keys()
+    for p in prompts:
+        first, last, tokens = p["core_ts"]
+        assert tokens == len(p["token_ids"]) >= 2
+        assert 0 < first < last  # one decode step at least between them

@@ -186,11 +186,19 @@ def engine_counters(llm: Any) -> dict[str, Any]:
 
 def completion_record(output: Any) -> dict[str, Any]:
     """One ``RequestOutput`` as the JSON the comparisons read: prompt length, generated
-    token ids and, per step, the top logprobs by token id."""
+    token ids and, per step, the top logprobs by token id; with the engine's stats on,
+    ``core_ts``: the engine core's timestamps of the first and last token and the number of
+    tokens (``RequestOutput.metrics``, which ``bench_engine.py --core-steps`` times steps
+    by)."""
     completion = output.outputs[0]
     steps = [{str(tok): lp.logprob for tok, lp in step.items()} for step in completion.logprobs]
-    return {"prompt_len": len(output.prompt_token_ids),
-            "token_ids": list(completion.token_ids), "logprobs": steps}
+    record = {"prompt_len": len(output.prompt_token_ids),
+              "token_ids": list(completion.token_ids), "logprobs": steps}
+    metrics = getattr(output, "metrics", None)
+    if metrics is not None and hasattr(metrics, "first_token_ts"):
+        record["core_ts"] = [metrics.first_token_ts, metrics.last_token_ts,
+                             metrics.num_generation_tokens]
+    return record
 
 
 def main() -> None:

@@ -10,15 +10,25 @@
 3. the ``flashmla`` route (the plugin's schedule) against ``peer:vllm-flashmla`` (FlashMLA's
    own schedule kernel once per graph of 10 calls, as vLLM's FLASHMLA runs once per step):
    graph-timed medians of three alternations on fixed shapes and on random bf16 set
-   ``--seed``, with the geometric mean and the worst of peer / route.
+   ``--seed``, with the geometric mean and the worst of peer / route;
+4. ``--sections overhead``: the route on FlashMLA's walk at other costs per request
+   (``--overheads``, blocks beside a request's KV blocks; FlashMLA's is 5; a larger cost
+   splits fewer requests, so FlashMLA's combine has less to merge) beside vLLM's FA3 MLA
+   call under CUDA graphs (``peer:vllm-fa3-mla``, where the kit is installed) and
+   FLASHMLA's call, on the shapes where the CUDA-graph rule lost most in run 85 (short
+   contexts on FlashMLA, small batches on FA3) and on random bf16 set ``--seed``; writes
+   ``--out`` (CSV: shape, kernel, us, extra pieces, difference to the default plan's
+   output) and prints, per overhead, the geometric mean of FA3's time over the route's.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import functools
 import importlib
 import math
+from pathlib import Path
 
 import bench_decode as bd
 import decode_kernels as dk
@@ -28,12 +38,24 @@ from trtllm_mla_plugin.ops.kernels.flashmla_schedule import (
     REQUEST_SCRATCH_ROWS,
     flashmla_schedule,
 )
+from trtllm_mla_plugin.ops.routes.flashmla import FlashMLASchedule
 
 FIXED = [(16, 1, 1024, "u", 1, bd.BF, 64), (32, 4, 2048, "u", 1, bd.BF, 64),
          (128, 8, 4096, "u", 1, bd.BF, 64), (64, 16, 2048, "u", 2, bd.BF, 64),
          (16, 64, 4096, "u", 1, bd.BF, 64), (16, 64, 4096, "r", 1, bd.BF, 64),
          (16, 256, 2048, "r", 1, bd.BF, 64), (128, 64, 8192, "r", 1, bd.BF, 64),
          (16, 512, 1024, "r", 1, bd.BF, 64), (128, 32, 4096, "u", 4, bd.BF, 64)]
+
+
+#: Run 85's worst shapes of the CUDA-graph rule, in the two regions it loses in: short
+#: contexts at b48-b376 on FlashMLA (vLLM's FA3 1.2-1.4x faster) and small batches on FA3.
+LOSS_REGION = [(32, 140, 398, "r0.54", 1, bd.BF, 64), (64, 376, 848, "r0.50", 1, bd.BF, 64),
+               (8, 48, 496, "r0.13", 2, bd.BF, 64), (16, 93, 1128, "r0.81", 1, bd.BF, 64),
+               (16, 64, 512, "u", 1, bd.BF, 64), (16, 128, 1024, "u", 1, bd.BF, 64),
+               (128, 40, 512, "u", 1, bd.BF, 64), (128, 3, 1475, "u", 2, bd.BF, 64),
+               (128, 2, 2141, "u", 2, bd.BF, 64), (64, 3, 1209, "u", 2, bd.BF, 64),
+               (32, 3, 2265, "u", 4, bd.BF, 64), (128, 5, 1078, "r0.71", 3, bd.BF, 64)]
+OVERHEAD_FIELDS = ["shape", "kernel", "us", "extra_pieces", "rel_diff"]
 
 
 def _graph_us(fn, reps: int = 20) -> float:
@@ -142,13 +164,65 @@ def route_against_peer(device: torch.device, seed: int, count: int) -> None:
           f"{geomean:.3f}, worst {min(ratios):.3f}, under 0.98: {sum(r < 0.98 for r in ratios)}")
 
 
+def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[int],
+                   out: Path) -> None:
+    shapes = [(9, s) for s in LOSS_REGION] + bd.random_set(seed, count, keep=bd.BF)
+    gains: dict[int, list[float]] = {o: [] for o in overheads}
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=OVERHEAD_FIELDS)
+        writer.writeheader()
+        for case_seed, shape in shapes:
+            case = bd.make_case(shape, case_seed, device)
+            route = dk.decoder_kernel("flashmla", case, "flashmla", engine_query=True)
+            if route.call is None:
+                continue
+            peers = {"peer:vllm-fa3-mla": dk.vllm_fa3_mla_peer(case),
+                     "peer:vllm-flashmla": dk.flashmla_peer(case)}
+            times = {name: bd.time_graph(k.call, case) for name, k in peers.items()
+                     if k.call is not None}
+            r, b = route.obj.route, case.batch.batch_size
+            first = None
+            for o in overheads:
+                r._schedule = FlashMLASchedule(b, device, overhead_blocks=o)
+                r.plan(case.batch)
+                result = route.call(case.caches[0]).float()
+                first = result if first is None else first
+                us = bd.time_graph(route.call, case)
+                extra = int(r._schedule.buffers[1][-1]) - b
+                diff = ((result - first).norm() / first.norm()).item()
+                times[f"flashmla@{o}"] = us
+                writer.writerow(dict(shape=case.name, kernel=f"flashmla@{o}", us=f"{us:.2f}",
+                                     extra_pieces=extra, rel_diff=f"{diff:.1e}"))
+                if "peer:vllm-fa3-mla" in times:
+                    gains[o].append(times["peer:vllm-fa3-mla"] / us)
+            for name in peers:
+                if name in times:
+                    writer.writerow(dict(shape=case.name, kernel=name,
+                                         us=f"{times[name]:.2f}"))
+            f.flush()
+            print(f"{case.name}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()),
+                  flush=True)
+            del case
+            torch.cuda.empty_cache()
+    for o, g in gains.items():
+        if g:
+            geo = math.exp(sum(map(math.log, g)) / len(g))
+            print(f"overhead {o}: vLLM FA3 / flashmla route over {len(g)} shapes: geomean "
+                  f"{geo:.3f}, worst {min(g):.3f}, best {max(g):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=31)
     parser.add_argument("--count", type=int, default=70)
     parser.add_argument("--sections", default="kernel,own,route",
                         help="comma list of kernel (this kernel alone), own (FlashMLA's "
-                        "scheduler alone), route (route against peer)")
+                        "scheduler alone), route (route against peer), overhead (the route "
+                        "at other costs per request, beside vLLM's FA3)")
+    parser.add_argument("--overheads", default="5,8,16,32,64,1000",
+                        help="costs per request in blocks for --sections overhead; the "
+                        "first is the plan the others' outputs are compared with")
+    parser.add_argument("--out", type=Path, default=Path("flashmla-overheads.csv"))
     args = parser.parse_args()
     device = torch.device("cuda")
     sections = args.sections.split(",")
@@ -158,6 +232,9 @@ def main() -> None:
         time_flashmla_own_schedule(device)
     if "route" in sections:
         route_against_peer(device, args.seed, args.count)
+    if "overhead" in sections:
+        overhead_sweep(device, args.seed, args.count,
+                       [int(o) for o in args.overheads.split(",")], args.out)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ def blocks(lens: list[int]) -> list[int]:
     return [(max(n, 1) - 1) // PAGE + 1 for n in lens]
 
 
-def _flashmla_walk(nb: list[int], parts: int):
+def _flashmla_walk(nb: list[int], parts: int, overhead: int = OVERHEAD):
     """FlashMLA's scheduler walk over ``parts`` SM parts for requests of ``nb`` blocks: per
-    part its start (request, block, piece) and end (request, block), then ``num_splits``."""
+    part its start (request, block, piece) and end (request, block), then ``num_splits``.
+    ``overhead``: a request's cost beside its blocks (FlashMLA's 5)."""
     b = len(nb)
-    payload = -(-sum(n + OVERHEAD for n in nb) // parts) + OVERHEAD
+    payload = -(-sum(n + overhead for n in nb) // parts) + overhead
     req = block = split = cum = 0
     splits, walk = [0], []
     for _ in range(parts):
@@ -31,25 +32,27 @@ def _flashmla_walk(nb: list[int], parts: int):
         remain = payload
         while req < b:
             left = nb[req] - block
-            if remain >= left + OVERHEAD:
+            if remain >= left + overhead:
                 cum += split + 1
                 splits.append(cum)
-                remain -= left + OVERHEAD
+                remain -= left + overhead
                 req, block, split = req + 1, 0, 0
             else:
-                if remain - OVERHEAD > 0:
-                    block += remain - OVERHEAD
+                if remain - overhead > 0:
+                    block += remain - overhead
                     split += 1
                 break
         walk.append((begin, (req, block)))
     return walk, splits
 
 
-def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[int]]:
+def flashmla_greedy(lens: list[int], parts: int, overhead: int = OVERHEAD
+                    ) -> tuple[list[list[int]], list[int]]:
     """FlashMLA's own schedule (its metadata kernel's walk over parts), rows of
-    ``DecodingSchedMeta`` without the padding int, and ``num_splits``."""
+    ``DecodingSchedMeta`` without the padding int, and ``num_splits``; with another
+    ``overhead``, the same walk at that cost per request."""
     nb = blocks(lens)
-    walk, splits = _flashmla_walk(nb, parts)
+    walk, splits = _flashmla_walk(nb, parts, overhead)
     rows = []
     for (req0, block0, split0), (req, block) in walk:
         row = [req0, req if block > 0 else req - 1, block0, 0, split0, int(block0 != 0), 0]
@@ -63,23 +66,25 @@ def flashmla_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[
     return rows, splits
 
 
-def flashmla_fp8_greedy(lens: list[int], parts: int) -> tuple[list[list[int]], list[int]]:
+def flashmla_fp8_greedy(lens: list[int], parts: int, overhead: int = OVERHEAD
+                        ) -> tuple[list[list[int]], list[int]]:
     """FlashMLA's dense FP8 schedule (``get_mla_decoding_metadata_dense_fp8``, the older
     scheduler): the same walk, a zero-length request counted as no blocks, rows
     ``[begin_idx, begin_seqlen, end_idx, end_seqlen, begin_split]`` in tokens."""
-    walk, splits = _flashmla_walk([-(-n // PAGE) for n in lens], parts)
+    walk, splits = _flashmla_walk([-(-n // PAGE) for n in lens], parts, overhead)
     rows = [[req0, block0 * PAGE, req if block > 0 else req - 1,
              block * PAGE if block > 0 else lens[req - 1], split0]
             for (req0, block0, split0), (req, block) in walk]
     return rows, splits
 
 
-def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int]) -> int:
+def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int],
+                   overhead: int = OVERHEAD) -> int:
     """Assert that ``rows``/``splits`` are a schedule FlashMLA's kernels compute correctly
     with: every KV block of every request in exactly one part, non-empty ranges, a request's
     pieces numbered ``0..n-1`` with ``n = splits[r + 1] - splits[r]``, written unsplit
     exactly when ``n == 1``. Returns the largest part's cost in blocks (blocks plus
-    ``OVERHEAD`` per request piece)."""
+    ``overhead`` per request piece)."""
     nb = blocks(lens)
     b = len(nb)
     assert len(splits) == b + 1 and splits[0] == 0
@@ -103,7 +108,7 @@ def check_schedule(lens: list[int], rows: list[list[int]], splits: list[int]) ->
             unsplit = (not split_a if r == first_req
                        else not split_z if r == last_req else True)
             pieces[r].append((first_split if r == first_req else 0, unsplit))
-            cost += hi - lo + OVERHEAD
+            cost += hi - lo + overhead
         worst = max(worst, cost)
     # FlashMLA sizes its float32 partials for batch + parts pieces, and its combine kernel
     # takes at most as many pieces per request as there are parts.
@@ -177,7 +182,16 @@ def main(cases: int) -> int:
         assert same_schedule(lens, rows, splits, want_rows, want_splits), (i, lens, parts)
         rows, splits = plugin_schedule(lens, parts, fp8_layout=True)
         assert same_fp8_schedule(rows, splits, *flashmla_fp8_greedy(lens, parts)), (i, lens)
-    print(f"schedule: {cases} cases valid and equal to FlashMLA's own (bf16 and FP8)")
+        # Another cost per request: still FlashMLA's walk at that cost, still valid.
+        overhead = rng.choice([1, 2, 13, 64, 1000])
+        rows, splits = plugin_schedule(lens, parts, overhead_blocks=overhead)
+        check_schedule(lens, rows, splits, overhead)
+        want_rows, want_splits = flashmla_greedy(lens, parts, overhead)
+        assert same_schedule(lens, rows, splits, want_rows, want_splits), (i, overhead)
+        rows, splits = plugin_schedule(lens, parts, fp8_layout=True, overhead_blocks=overhead)
+        assert same_fp8_schedule(rows, splits, *flashmla_fp8_greedy(lens, parts, overhead))
+    print(f"schedule: {cases} cases valid and equal to FlashMLA's own (bf16 and FP8), "
+          "and to its walk at other costs per request")
     return 0
 
 

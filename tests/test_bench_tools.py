@@ -500,3 +500,56 @@ def test_policy_scores_flashmla_as_the_engine_runs_it(tmp_path):
         timed = evaluate_policy.timed_rows(str(path))["s"]
         assert float(timed["peer:vllm-flashmla"]["us"]) == peer, name
         assert float(timed["vllm-fa3-mla"]["us"]) == 18.0  # stood in for by vLLM's FA3 peer
+
+
+def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, capsys):
+    """``bench_flashmla_schedule.py --sections overhead`` bookkeeping with stand-ins: every
+    overhead's plan is installed and planned before it is timed, its extra pieces and its
+    output's difference to the first plan's are written, and FA3's time over the route's
+    is summarised per overhead."""
+    pytest.importorskip("triton")
+    import types
+
+    import bench_flashmla_schedule as bfs
+
+    class Schedule:
+        def __init__(self, b, device, overhead_blocks):
+            self.overhead = overhead_blocks
+            extra = 3 if overhead_blocks == 5 else 0
+            self.buffers = (None, torch.tensor([0, b + extra]))
+
+    class Route:
+        def __init__(self):
+            self.planned = []
+
+        def plan(self, batch):
+            self.planned.append(self._schedule.overhead)
+
+    route = Route()
+    case = types.SimpleNamespace(name="h16 b4", batch=types.SimpleNamespace(batch_size=4),
+                                 caches=[0])
+    kernel = types.SimpleNamespace(
+        call=lambda cache: torch.full((2,), 1.0 + 0.01 * (route._schedule.overhead != 5)),
+        obj=types.SimpleNamespace(route=route))
+    monkeypatch.setattr(bfs, "FlashMLASchedule", Schedule)
+    monkeypatch.setattr(bfs.bd, "make_case", lambda shape, seed, device: case)
+    monkeypatch.setattr(bfs.bd, "random_set", lambda *a, **k: [])
+    monkeypatch.setattr(bfs, "LOSS_REGION", [("shape",)])
+    monkeypatch.setattr(bfs.dk, "decoder_kernel", lambda *a, **k: kernel)
+    peer = types.SimpleNamespace(call="fa3")
+    monkeypatch.setattr(bfs.dk, "vllm_fa3_mla_peer", lambda case: peer)
+    monkeypatch.setattr(bfs.dk, "flashmla_peer", lambda case: types.SimpleNamespace(call=None))
+    monkeypatch.setattr(bfs.bd, "time_graph", lambda call, case: 20.0 if call == "fa3"
+                        else 25.0 if route._schedule.overhead == 5 else 16.0)
+    out = tmp_path / "o.csv"
+    bfs.overhead_sweep(torch.device("cpu"), 1, 0, [5, 32], out)
+    assert route.planned == [5, 32]
+    with open(out, newline="") as f:
+        rows = list(bench_decode.csv.DictReader(f))
+    assert [(r["kernel"], r["us"], r["extra_pieces"]) for r in rows] == [
+        ("flashmla@5", "25.00", "3"), ("flashmla@32", "16.00", "0"),
+        ("peer:vllm-fa3-mla", "20.00", "")]
+    assert rows[0]["rel_diff"] == "0.0e+00" and rows[1]["rel_diff"] == "1.0e-02"
+    printed = capsys.readouterr().out
+    assert "overhead 5: vLLM FA3 / flashmla route over 1 shapes: geomean 0.800" in printed
+    assert "overhead 32: vLLM FA3 / flashmla route over 1 shapes: geomean 1.250" in printed

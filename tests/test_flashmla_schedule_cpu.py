@@ -33,7 +33,8 @@ def test_schedule_kernel_under_interpreter():
     proc = _interpreted(str(HERE / "flashmla_schedule_cases.py"), "80")
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "80 cases valid and equal to FlashMLA's own (bf16 and FP8)" in proc.stdout
+    assert ("80 cases valid and equal to FlashMLA's own (bf16 and FP8), and to its walk at "
+            "other costs per request") in proc.stdout
 
 
 def test_empty_batch_gives_empty_parts():
@@ -64,6 +65,13 @@ for fp8, heads, q_len in ((False, 16, 1), (False, 128, 2), (True, 64, 4), (True,
     assert len(meta) == parts
     assert (same_fp8_schedule(meta, splits, *want) if fp8
             else same_schedule(lens, meta, splits, *want)), (fp8, heads, q_len)
+# Another cost per request reaches the kernel.
+schedule = FlashMLASchedule(16, torch.device("cpu"), overhead_blocks=40)
+schedule.plan(len(lens), 16)
+schedule.write(torch.tensor(lens, dtype=torch.int32))
+meta, splits = (t.tolist() for t in schedule.buffers)
+assert same_schedule(lens, meta, splits, *flashmla_greedy(lens, 132, 40))
+assert not same_schedule(lens, meta, splits, *flashmla_greedy(lens, 132))
 print("schedule buffers ok")
 """
 
@@ -99,6 +107,19 @@ def test_checker_accepts_flashmla_and_refuses_broken_schedules():
     ):
         with pytest.raises(AssertionError):
             check_schedule(lens, bad_rows, bad_splits)
+
+
+def test_overhead_below_one_block_is_refused():
+    pytest.importorskip("triton")
+    import torch
+
+    from trtllm_mla_plugin.ops.kernels.flashmla_schedule import flashmla_schedule
+
+    ints = {"dtype": torch.int32}
+    with pytest.raises(ValueError, match="overhead_blocks must be at least 1"):
+        flashmla_schedule(torch.ones(2, **ints), torch.zeros(4, 8, **ints),
+                          torch.zeros(3, **ints), torch.zeros(3, 2, **ints),
+                          torch.zeros(5, **ints), overhead_blocks=0)
 
 
 def test_schedule_kernel_compiles_for_hopper():

@@ -131,6 +131,39 @@ def test_route_on_its_schedule_matches_reference(seed: int):
     assert rel_own < 5e-3, rel_own
 
 
+@pytest.mark.parametrize("overhead", [1, 32, 1000])
+def test_route_on_other_costs_per_request_matches_reference(overhead: int):
+    """FlashMLA's kernels on the walk at another cost per request (more split requests at 1,
+    fewer at 32 and 1000; ``bench_flashmla_schedule.py --sections overhead`` times them)
+    still compute the attention: against float64 on random batches."""
+    from trtllm_mla_plugin.ops.routes.flashmla import FlashMLASchedule
+
+    _flashmla_ops()
+    device = torch.device("cuda")
+    rng = random.Random(overhead)
+    for i in range(4):
+        heads, q_len = rng.choice([(16, 1), (32, 1), (128, 1), (64, 2), (16, 4)])
+        b = rng.choice([1, 3, 40, 140, 300])
+        longest = rng.choice([64, 400, 3000, 30000]) if b < 200 else rng.choice([64, 1200])
+        lens = [max(q_len, rng.randint(1, longest)) for _ in range(b)]
+        gen = torch.Generator(device=device).manual_seed(i)
+        p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_len, dtype=BF16,
+                         kv_dtype=BF16, device=device, generator=gen)
+        decoder = MLADecoder(p.spec, device, max_batch_size=b, route="flashmla")
+        decoder.route._schedule = FlashMLASchedule(b, device, overhead_blocks=overhead)
+        decoder.plan(p.batch)
+        out = decoder.run(p.query, p.kv_cache)
+        torch.cuda.synchronize()
+        meta, splits = (t.cpu().tolist() for t in decoder.route._schedule.buffers)
+        check_schedule(lens, meta, splits, overhead)
+        assert same_schedule(lens, meta, splits,
+                             *flashmla_greedy(lens, len(meta), overhead)), (i, lens)
+        rel, worst = errors(out, reference(p))
+        rel_bound, max_bound = bounds(p)
+        print(f"[overhead {overhead} h{heads} b{b} q{q_len} <= {longest}] rel={rel:.2e}")
+        assert rel < rel_bound and worst < max_bound, (rel, worst)
+
+
 def test_fp8_layout_is_flashmla_fp8_own_schedule():
     """FlashMLA's dense FP8 scheduler (``get_mla_decoding_metadata_dense_fp8``, which vLLM's
     FLASHMLA runs for FP8 caches) equals its transcription and the plugin's kernel with

@@ -236,6 +236,7 @@ def flashmla_schedule(
     boundary_owners: torch.Tensor,
     *,
     fp8_layout: bool = False,
+    overhead_blocks: int = FLASHMLA_OVERHEAD_BLOCKS,
     chunk: int = 128,
     num_warps: int = 4,
 ) -> None:
@@ -256,10 +257,19 @@ def flashmla_schedule(
             (``get_mla_decoding_metadata_dense_fp8`` of vLLM's ``_flashmla_extension_C``)
             instead: rows ``[begin_idx, begin_seqlen, end_idx, end_seqlen, begin_split, 0,
             0, 0]`` in tokens, a zero-length request counted as no blocks.
+        overhead_blocks: the cost of a request (a piece of one) in blocks beside its KV
+            blocks; FlashMLA's scheduler uses 5 (``FLASHMLA_OVERHEAD_BLOCKS``), the plan
+            FlashMLA's kernels were tuned with. A larger cost splits fewer requests (a grid
+            point then falls in a request's overhead more often and snaps to its end), so
+            fewer partial results go to FlashMLA's combine kernel; any value >= 1 gives a
+            schedule FlashMLA's kernels compute correctly with. The benchmark
+            (``bench_flashmla_schedule.py --sections overhead``) times other values.
         chunk, num_warps: requests per step of the request walk, and the program's warps.
     """
     batch = seq_lens.shape[0]
     parts = tile_metadata.shape[0]
+    if overhead_blocks < 1:
+        raise ValueError(f"overhead_blocks must be at least 1, got {overhead_blocks}")
     if tile_metadata.shape[1] != SCHED_META_INTS or num_splits.shape[0] != batch + 1:
         raise ValueError(
             f"schedule buffers [parts, {SCHED_META_INTS}] and [batch + 1] expected, got "
@@ -275,6 +285,6 @@ def flashmla_schedule(
     _flashmla_schedule_kernel[(1,)](
         seq_lens, tile_metadata, num_splits, request_scratch, request_scratch.stride(0),
         boundary_owners, batch, parts,
-        PAGE=FLASHMLA_PAGE, OVERHEAD=FLASHMLA_OVERHEAD_BLOCKS, CHUNK=chunk,
+        PAGE=FLASHMLA_PAGE, OVERHEAD=overhead_blocks, CHUNK=chunk,
         PARTS=triton.next_power_of_2(parts), FP8_LAYOUT=fp8_layout, num_warps=num_warps,
     )

@@ -111,10 +111,14 @@ class FlashMLASchedule:
     ``tile_metadata [parts, 8]`` (one row per SM part, at most one part per SM) and
     ``num_splits [batch + 1]`` int32, with the kernel's scratch. Persistent: captured decode
     launches read them, and a captured schedule launch rewrites them, in place on every
-    replay. ``fp8_layout``: the plan of FlashMLA's dense FP8 scheduler."""
+    replay. ``fp8_layout``: the plan of FlashMLA's dense FP8 scheduler; ``overhead_blocks``:
+    a request's cost beside its KV blocks (FlashMLA's 5 unless given, see
+    ``kernels.flashmla_schedule``)."""
 
-    def __init__(self, max_batch_size: int, device: torch.device, fp8_layout: bool = False):
+    def __init__(self, max_batch_size: int, device: torch.device, fp8_layout: bool = False,
+                 overhead_blocks: int | None = None):
         from ..kernels.flashmla_schedule import (
+            FLASHMLA_OVERHEAD_BLOCKS,
             REQUEST_SCRATCH_ROWS,
             SCHED_META_INTS,
             flashmla_schedule,
@@ -122,6 +126,8 @@ class FlashMLASchedule:
 
         self._kernel = flashmla_schedule
         self._fp8_layout = fp8_layout
+        self.overhead_blocks = (FLASHMLA_OVERHEAD_BLOCKS if overhead_blocks is None
+                                else overhead_blocks)
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         ints = {"dtype": torch.int32, "device": device}
         self._tile_metadata = torch.zeros(self.sms, SCHED_META_INTS, **ints)
@@ -144,7 +150,7 @@ class FlashMLASchedule:
     def write(self, seq_lens: torch.Tensor) -> None:
         """Launch the kernel for the planned step's ``seq_lens [batch]`` int32."""
         self._kernel(seq_lens, *self.buffers, self._request_scratch, self._boundary_owners,
-                     fp8_layout=self._fp8_layout)
+                     fp8_layout=self._fp8_layout, overhead_blocks=self.overhead_blocks)
 
 
 class FlashMLARoute(DecodeRoute):

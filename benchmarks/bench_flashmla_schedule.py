@@ -18,7 +18,9 @@
    FLASHMLA's call, on the shapes where the CUDA-graph rule lost most in run 85 (short
    contexts on FlashMLA, small batches on FA3) and on random bf16 set ``--seed``; writes
    ``--out`` (CSV: shape, kernel, us, extra pieces, difference to the default plan's
-   output) and prints, per overhead, the geometric mean of FA3's time over the route's.
+   output; beside it ``*.shapes.jsonl``: each shape's lengths, SM parts and query rows, for
+   ``fit_flashmla_overhead.py``) and prints, per overhead, the geometric mean of FA3's time
+   over the route's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import csv
 import functools
 import importlib
+import json
 import math
 from pathlib import Path
 
@@ -168,7 +171,7 @@ def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[
                    out: Path) -> None:
     shapes = [(9, s) for s in LOSS_REGION] + bd.random_set(seed, count, keep=bd.BF)
     gains: dict[int, list[float]] = {o: [] for o in overheads}
-    with open(out, "w", newline="") as f:
+    with open(out, "w", newline="") as f, open(out.with_suffix(".shapes.jsonl"), "w") as log:
         writer = csv.DictWriter(f, fieldnames=OVERHEAD_FIELDS)
         writer.writeheader()
         for case_seed, shape in shapes:
@@ -195,6 +198,10 @@ def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[
                                      extra_pieces=extra, rel_diff=f"{diff:.1e}"))
                 if "peer:vllm-fa3-mla" in times:
                     gains[o].append(times["peer:vllm-fa3-mla"] / us)
+            log.write(json.dumps(dict(
+                shape=case.name, lens=list(case.lens_host), q_len=case.q_len,
+                heads=case.spec.num_heads,
+                parts=r._schedule.num_parts(case.q_len * case.spec.num_heads))) + "\n")
             for name in peers:
                 if name in times:
                     writer.writerow(dict(shape=case.name, kernel=name,

@@ -518,6 +518,9 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
             extra = 3 if overhead_blocks == 5 else 0
             self.buffers = (None, torch.tensor([0, b + extra]))
 
+        def num_parts(self, rows):
+            return 132 // -(-rows // 64)
+
     class Route:
         def __init__(self):
             self.planned = []
@@ -527,7 +530,8 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
 
     route = Route()
     case = types.SimpleNamespace(name="h16 b4", batch=types.SimpleNamespace(batch_size=4),
-                                 caches=[0])
+                                 caches=[0], q_len=1, lens_host=[9, 70, 1, 3000],
+                                 spec=types.SimpleNamespace(num_heads=16))
     kernel = types.SimpleNamespace(
         call=lambda cache: torch.full((2,), 1.0 + 0.01 * (route._schedule.overhead != 5)),
         obj=types.SimpleNamespace(route=route))
@@ -553,3 +557,52 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
     printed = capsys.readouterr().out
     assert "overhead 5: vLLM FA3 / flashmla route over 1 shapes: geomean 0.800" in printed
     assert "overhead 32: vLLM FA3 / flashmla route over 1 shapes: geomean 1.250" in printed
+    logged = [json.loads(line)
+              for line in out.with_suffix(".shapes.jsonl").read_text().splitlines()]
+    assert logged == [dict(shape="h16 b4", lens=[9, 70, 1, 3000], q_len=1, heads=16,
+                           parts=132)]
+
+
+def _overhead_files(tmp_path, name: str, shapes: list[tuple]) -> Path:
+    """A ``--sections overhead`` CSV and its ``.shapes.jsonl``: (shape, lens, parts, route
+    time per cost, FA3 time)."""
+    out = tmp_path / f"{name}.csv"
+    with open(out, "w", newline="") as f, open(out.with_suffix(".shapes.jsonl"), "w") as log:
+        w = bench_decode.csv.DictWriter(f, fieldnames=["shape", "kernel", "us"])
+        w.writeheader()
+        for shape, lens, parts, times, fa3 in shapes:
+            for cost, us in times.items():
+                w.writerow(dict(shape=shape, kernel=f"flashmla@{cost}", us=us))
+            w.writerow(dict(shape=shape, kernel="peer:vllm-fa3-mla", us=fa3))
+            log.write(json.dumps(dict(shape=shape, lens=lens, parts=parts)) + "\n")
+    return out
+
+
+def test_overhead_fit_keeps_rules_that_never_lose_and_checks_them_on_other_shapes(
+        tmp_path, capsys):
+    """Cost 32 wins 20% on batches of at least one request per part and loses 30% on
+    small batches: the fixed cost 32 is dropped (a fit shape 30% slower than FlashMLA's
+    own plan), a rule by requests per part is kept and scored on the check file."""
+    import fit_flashmla_overhead as fit
+
+    def shapes(b_values, seed):
+        out = []
+        for i, b in enumerate(b_values):
+            big = b >= 132
+            out.append((f"s{seed}-{i}", [500] * b, 132,
+                        {5: 10.0, 32: 8.0 if big else 13.0}, 9.0))
+        return out
+
+    fit_csv = _overhead_files(tmp_path, "fit", shapes([3, 40, 140, 300], 1))
+    check_csv = _overhead_files(tmp_path, "check", shapes([7, 200], 2))
+    loaded = fit.load(fit_csv)
+    assert [len(s.lens) for s in loaded] == [3, 40, 140, 300]
+    assert loaded[0].route_us == {5: 10.0, 32: 13.0} and loaded[0].mean_blocks == 8
+    fit.main([str(fit_csv), str(check_csv), "--top", "50"])
+    printed = capsys.readouterr().out
+    assert "fixed 32 " not in printed
+    kept = [line for line in printed.splitlines() if "requests >= 1.0 parts -> 32" in line]
+    # On the fit file two of four shapes gain 1.25, on the check file one of two.
+    assert len(kept) == 2 and "vs own plan 1.118 (worst 1.000)" in kept[0]
+    assert "vs own plan 1.118 (worst 1.000)" in kept[1]
+    assert "vs vLLM FA3 1.006 (worst 0.900)" in kept[1]  # sqrt(9 / 10 * 9 / 8)

@@ -30,7 +30,7 @@ import csv
 import functools
 import importlib
 import json
-import math
+import statistics
 from pathlib import Path
 
 import bench_decode as bd
@@ -41,7 +41,6 @@ from trtllm_mla_plugin.ops.kernels.flashmla_schedule import (
     REQUEST_SCRATCH_ROWS,
     flashmla_schedule,
 )
-from trtllm_mla_plugin.ops.routes.flashmla import FlashMLASchedule
 
 FIXED = [(16, 1, 1024, "u", 1, bd.BF, 64), (32, 4, 2048, "u", 1, bd.BF, 64),
          (128, 8, 4096, "u", 1, bd.BF, 64), (64, 16, 2048, "u", 2, bd.BF, 64),
@@ -162,7 +161,7 @@ def route_against_peer(device: torch.device, seed: int, count: int) -> None:
         ratios.append(theirs[1] / mine[1])
         print(f"{case.name} route={mine[1]:.2f} peer={theirs[1]:.2f} "
               f"peer/route={ratios[-1]:.3f}", flush=True)
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    geomean = statistics.geometric_mean(ratios)
     print(f"route against peer:vllm-flashmla over {len(ratios)} shapes: geomean "
           f"{geomean:.3f}, worst {min(ratios):.3f}, under 0.98: {sum(r < 0.98 for r in ratios)}")
 
@@ -186,7 +185,7 @@ def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[
             r, b = route.obj.route, case.batch.batch_size
             first = None
             for o in overheads:
-                r._schedule = FlashMLASchedule(b, device, overhead_blocks=o)
+                r._schedule.overhead_blocks = o
                 r.plan(case.batch)
                 result = route.call(case.caches[0]).float()
                 first = result if first is None else first
@@ -213,7 +212,7 @@ def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[
             torch.cuda.empty_cache()
     for o, g in gains.items():
         if g:
-            geo = math.exp(sum(map(math.log, g)) / len(g))
+            geo = statistics.geometric_mean(g)
             print(f"overhead {o}: vLLM FA3 / flashmla route over {len(g)} shapes: geomean "
                   f"{geo:.3f}, worst {min(g):.3f}, best {max(g):.3f}")
 

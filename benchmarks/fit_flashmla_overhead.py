@@ -30,14 +30,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-#: FlashMLA's own cost per request (``get_mla_metadata``'s ``fixed_overhead_num_blocks``).
-DEFAULT_COST = 5
-PAGE = 64
+from trtllm_mla_plugin.ops.kernels.flashmla_schedule import (
+    FLASHMLA_OVERHEAD_BLOCKS as DEFAULT_COST,
+)
+from trtllm_mla_plugin.ops.kernels.flashmla_schedule import FLASHMLA_PAGE as PAGE
+
 FA3 = "peer:vllm-fa3-mla"
 
 
@@ -106,15 +108,12 @@ class Score:
     shapes: int
 
 
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
-
-
 def score(shapes: list[Shape], pick: Callable[[Shape], float]) -> Score:
     """``pick``: a shape's time under the rule."""
     gains = [s.route_us[DEFAULT_COST] / pick(s) for s in shapes]
     fa3 = [s.peer_us[FA3] / pick(s) for s in shapes if FA3 in s.peer_us]
-    return Score(_geomean(gains), min(gains), _geomean(fa3) if fa3 else None,
+    return Score(statistics.geometric_mean(gains), min(gains),
+                 statistics.geometric_mean(fa3) if fa3 else None,
                  min(fa3) if fa3 else None, len(shapes))
 
 

@@ -513,29 +513,30 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
     import bench_flashmla_schedule as bfs
 
     class Schedule:
-        def __init__(self, b, device, overhead_blocks):
-            self.overhead = overhead_blocks
-            extra = 3 if overhead_blocks == 5 else 0
-            self.buffers = (None, torch.tensor([0, b + extra]))
+        overhead_blocks = 5
+
+        @property
+        def buffers(self):
+            extra = 3 if self.overhead_blocks == 5 else 0
+            return None, torch.tensor([0, 4 + extra])
 
         def num_parts(self, rows):
             return 132 // -(-rows // 64)
 
     class Route:
         def __init__(self):
-            self.planned = []
+            self.planned, self._schedule = [], Schedule()
 
         def plan(self, batch):
-            self.planned.append(self._schedule.overhead)
+            self.planned.append(self._schedule.overhead_blocks)
 
     route = Route()
     case = types.SimpleNamespace(name="h16 b4", batch=types.SimpleNamespace(batch_size=4),
                                  caches=[0], q_len=1, lens_host=[9, 70, 1, 3000],
                                  spec=types.SimpleNamespace(num_heads=16))
     kernel = types.SimpleNamespace(
-        call=lambda cache: torch.full((2,), 1.0 + 0.01 * (route._schedule.overhead != 5)),
+        call=lambda cache: torch.full((2,), 1.0 + 0.01 * (route._schedule.overhead_blocks != 5)),
         obj=types.SimpleNamespace(route=route))
-    monkeypatch.setattr(bfs, "FlashMLASchedule", Schedule)
     monkeypatch.setattr(bfs.bd, "make_case", lambda shape, seed, device: case)
     monkeypatch.setattr(bfs.bd, "random_set", lambda *a, **k: [])
     monkeypatch.setattr(bfs, "LOSS_REGION", [("shape",)])
@@ -544,7 +545,7 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
     monkeypatch.setattr(bfs.dk, "vllm_fa3_mla_peer", lambda case: peer)
     monkeypatch.setattr(bfs.dk, "flashmla_peer", lambda case: types.SimpleNamespace(call=None))
     monkeypatch.setattr(bfs.bd, "time_graph", lambda call, case: 20.0 if call == "fa3"
-                        else 25.0 if route._schedule.overhead == 5 else 16.0)
+                        else 25.0 if route._schedule.overhead_blocks == 5 else 16.0)
     out = tmp_path / "o.csv"
     bfs.overhead_sweep(torch.device("cpu"), 1, 0, [5, 32], out)
     assert route.planned == [5, 32]

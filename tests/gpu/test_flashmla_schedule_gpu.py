@@ -136,8 +136,6 @@ def test_route_on_other_costs_per_request_matches_reference(overhead: int):
     """FlashMLA's kernels on the walk at another cost per request (more split requests at 1,
     fewer at 32 and 1000; ``bench_flashmla_schedule.py --sections overhead`` times them)
     still compute the attention: against float64 on random batches."""
-    from trtllm_mla_plugin.ops.routes.flashmla import FlashMLASchedule
-
     _flashmla_ops()
     device = torch.device("cuda")
     rng = random.Random(overhead)
@@ -150,7 +148,7 @@ def test_route_on_other_costs_per_request_matches_reference(overhead: int):
         p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_len, dtype=BF16,
                          kv_dtype=BF16, device=device, generator=gen)
         decoder = MLADecoder(p.spec, device, max_batch_size=b, route="flashmla")
-        decoder.route._schedule = FlashMLASchedule(b, device, overhead_blocks=overhead)
+        decoder.route._schedule.overhead_blocks = overhead
         decoder.plan(p.batch)
         out = decoder.run(p.query, p.kv_cache)
         torch.cuda.synchronize()

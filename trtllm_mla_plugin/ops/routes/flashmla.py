@@ -113,7 +113,7 @@ class FlashMLASchedule:
     launches read them, and a captured schedule launch rewrites them, in place on every
     replay. ``fp8_layout``: the plan of FlashMLA's dense FP8 scheduler; ``overhead_blocks``:
     a request's cost beside its KV blocks (FlashMLA's 5 unless given, see
-    ``kernels.flashmla_schedule``)."""
+    ``kernels.flashmla_schedule``; read by every ``write``)."""
 
     def __init__(self, max_batch_size: int, device: torch.device, fp8_layout: bool = False,
                  overhead_blocks: int | None = None):

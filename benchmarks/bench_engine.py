@@ -56,9 +56,14 @@ and each call's request setup out instead of differencing them away: vLLM's engi
 timestamps of each request's first and last token in the timed ``generate(1 + N)``
 (``RequestOutput.metrics``), N decode steps apart, median over requests (``core_step_ms``,
 fastest repeat; ``core_steps_each_ms``; ``core_decode_tokens_per_s``;
-``summarize_engine.py --core``). Why: at FP8 b32/b128 one engine's repeats of the
-difference estimate scattered by a median 17-35% (runs 89-90), at bf16 b128/b256 by 1-2%
-(runs 51-54); the timestamps tell whether the decode steps themselves scatter.
+``summarize_engine.py --core``), and the decode steps one by one (each step's interval
+since the previous token, from vLLM's per-iteration stats, ``run_engine.record_step_intervals``):
+per repeat their 10th, 50th and 90th percentile (``core_step_quantiles_each_ms``), the
+fastest repeat's median (``core_median_step_ms``, ``core_median_decode_tokens_per_s``,
+``summarize_engine.py --core-median``). Why: at FP8 b32/b128 one engine's repeats scattered
+by a median 15-35% by both estimates (runs 89-90, 94-95), at bf16 b128/b256 by 1-2% (runs
+51-54); the percentiles tell a few slow steps (a median that holds) from uniformly slower
+ones.
 
 Writes ``DIR/engine.csv`` and prints a table.
 """
@@ -74,12 +79,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FIELDS = ["round", "heads", "kv", "backend", "batch", "output_len", "decode_s", "tokens_per_s",
           "tpot_ms", "short_len", "short_s", "step_ms", "decode_tokens_per_s", "route",
           "attn_layer_us", "attn_share", "status", "steps_each_ms", "core_step_ms",
-          "core_steps_each_ms", "core_decode_tokens_per_s"]
+          "core_steps_each_ms", "core_decode_tokens_per_s", "core_median_step_ms",
+          "core_step_quantiles_each_ms", "core_median_decode_tokens_per_s"]
 
 
 def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -136,21 +143,56 @@ def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None =
     return dec.route.name, ms * 100.0  # us per call
 
 
-def timed_generate(llm, prompts: list, n: int, core_steps: list | None = None) -> float:
+@dataclass
+class CoreTiming:
+    """What one engine's core timed in its timed ``generate(1 + N)`` repeats: per repeat,
+    the decode step by the requests' first and last token (``core_decode_step_s``; ``None``
+    with stats off) and the 10th/50th/90th percentile of its steps one by one
+    (``step_quantiles_s`` of what ``intervals``, ``run_engine.record_step_intervals``'
+    list, holds after the repeat; ``None`` without it)."""
+
+    intervals: list | None = None
+    steps: list[float | None] = field(default_factory=list)
+    quantiles: list[tuple[float, float, float] | None] = field(default_factory=list)
+
+    def start(self) -> None:
+        if self.intervals is not None:
+            self.intervals.clear()
+
+    def add(self, outputs: list) -> None:
+        self.steps.append(core_decode_step_s(outputs))
+        self.quantiles.append(step_quantiles_s(self.intervals or []))
+
+
+def timed_generate(llm, prompts: list, n: int, core: CoreTiming | None = None) -> float:
     """Seconds for ``generate`` of exactly ``1 + n`` greedy tokens per prompt; with
-    ``core_steps``, also appends the decode step the engine core timed
-    (``core_decode_step_s``)."""
+    ``core``, also what the engine core timed of it."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1 + n, min_tokens=1 + n, ignore_eos=True,
                             temperature=0.0)
+    if core is not None:
+        core.start()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     assert all(len(o.outputs[0].token_ids) == 1 + n for o in outs)
-    if core_steps is not None:
-        core_steps.append(core_decode_step_s(outs))
+    if core is not None:
+        core.add(outs)
     return dt
+
+
+def step_quantiles_s(steps: list[list[float]]) -> tuple[float, float, float] | None:
+    """10th, 50th and 90th percentile (inclusive, linear) of the decode steps' seconds, each
+    step its median interval (``[median, total, count]`` rows of
+    ``run_engine.record_step_intervals``); ``None`` for fewer than two steps."""
+    import statistics
+
+    if len(steps) < 2:
+        return None
+    times = [median for median, _, _ in steps]
+    deciles = statistics.quantiles(times, n=10, method="inclusive")
+    return deciles[0], statistics.median(times), deciles[-1]
 
 
 def core_decode_step_s(outputs: list) -> float | None:
@@ -209,9 +251,9 @@ def set_route(backend_arg: str) -> tuple[str, str]:
 
 
 def step_row(args: argparse.Namespace, backend: str, batch: int, short_s: float,
-             dt: float, core_steps: list[float | None] = ()) -> dict:
+             dt: float, core: CoreTiming | None = None) -> dict:
     """One (backend, batch) row from the fastest ``1 + S`` and ``1 + N`` generate times,
-    and from the engine core's step of each ``1 + N`` repeat where it timed them."""
+    and from what the engine core timed of each ``1 + N`` repeat where it timed them."""
     step = (dt - short_s) / (args.output_len - args.short_len)
     row = dict(heads=args.heads, kv=args.kv, backend=backend, batch=batch,
                output_len=args.output_len, decode_s=f"{dt:.4f}",
@@ -219,11 +261,19 @@ def step_row(args: argparse.Namespace, backend: str, batch: int, short_s: float,
                tpot_ms=f"{dt / args.output_len * 1e3:.3f}", short_len=args.short_len,
                short_s=f"{short_s:.4f}", step_ms=f"{step * 1e3:.3f}",
                decode_tokens_per_s=f"{batch / step:.0f}", status="ok")
-    timed = [s for s in core_steps if s is not None]
+    core = core or CoreTiming()
+    timed = [s for s in core.steps if s is not None]
     if timed:
         row.update(core_step_ms=f"{min(timed) * 1e3:.3f}",
                    core_steps_each_ms=";".join(f"{s * 1e3:.3f}" for s in timed),
                    core_decode_tokens_per_s=f"{batch / min(timed):.0f}")
+    quantiles = [q for q in core.quantiles if q is not None]
+    if quantiles:
+        fastest = min(median for _, median, _ in quantiles)
+        row.update(core_median_step_ms=f"{fastest * 1e3:.3f}",
+                   core_step_quantiles_each_ms=";".join(
+                       "/".join(f"{t * 1e3:.3f}" for t in q) for q in quantiles),
+                   core_median_decode_tokens_per_s=f"{batch / fastest:.0f}")
     return row
 
 
@@ -238,6 +288,7 @@ def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import SamplingParams
 
+    from trtllm_mla_plugin.testing.run_engine import record_step_intervals
     from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
 
     names = args.backend.split(",")
@@ -254,6 +305,7 @@ def worker(args: argparse.Namespace) -> None:
         backend, _ = set_route(name)
         llms[name] = make_llm(args, backend, max(batches), batches,
                               gpu_memory=0.45 if len(names) > 1 else 0.6)
+    clocks = {name: record_step_intervals(llm) for name, llm in llms.items()}
     rows = []
     for b in batches:
         prompts = make_prompts(args, b)
@@ -263,7 +315,7 @@ def worker(args: argparse.Namespace) -> None:
         # Fastest of --repeats runs each: the difference below amplifies one-off stalls.
         short = {n: [] for n in names}
         full = {n: [] for n in names}
-        core = {n: [] for n in names}
+        core = {n: CoreTiming(clocks[n]) for n in names}
         for order in alternating(names, args.repeats):
             for n in order:
                 short[n].append(timed_generate(llms[n], prompts, args.short_len))
@@ -429,7 +481,8 @@ def main() -> None:
     add_shared_args(ap)
     ap.add_argument("--core-steps", action="store_true",
                     help="engines log stats; rows add the decode step by vLLM's engine-core "
-                         "token timestamps (recompute step left out, not differenced)")
+                         "token timestamps (recompute step left out, not differenced) and "
+                         "percentiles of the steps one by one")
     ap.add_argument("--timeout", type=int, default=300,
                     help="seconds per engine process (with --paired: two engines)")
     ap.add_argument("--warmup-engine", action=argparse.BooleanOptionalAction, default=True,
@@ -480,6 +533,9 @@ def main() -> None:
             print("\nBy the engine core's timestamps (--core-steps):")
             summarize_engine.print_table(
                 summarize_engine.paired_points([rows], "core_decode_tokens_per_s"))
+            print("\nBy the median decode step of the engine core (--core-steps):")
+            summarize_engine.print_table(
+                summarize_engine.paired_points([rows], "core_median_decode_tokens_per_s"))
 
 
 def print_medians(rows: list[dict]) -> None:

@@ -1,12 +1,14 @@
 """Paired engine rounds of bench_engine.py (``--paired``) as ratios with an interval.
 
-``python benchmarks/summarize_engine.py [--core] [--plot out.png] engine.csv [more.csv ...]``
+``python benchmarks/summarize_engine.py [--core | --core-median] [--plot out.png] engine.csv
+[more.csv ...]``
 prints,
 per (heads, KV dtype, batch) and per pair of backends, the decode tokens/s of TRTLLM_MLA over
 the other backend's in every round, their geometric mean, and an estimate balanced over
 creation order with its 95% interval (``--plot``: those estimates and intervals against 1,
 one marker per round; needs matplotlib; ``--core``: the decode steps timed by vLLM's engine
-core, ``bench_engine.py --core-steps``). ``bench_engine.py --paired`` prints the table at
+core, ``bench_engine.py --core-steps``; ``--core-median``: the median of those steps one by
+one). ``bench_engine.py --paired`` prints the table at
 its end.
 
 Why balanced: in a paired round one process creates both engines, and the engine created
@@ -157,9 +159,11 @@ def plot(points: list[PairedPoint], dst: str) -> None:
 def main(*argv: str) -> None:
     args = list(argv)
     column = "decode_tokens_per_s"
-    if "--core" in args:
-        args.remove("--core")
-        column = "core_decode_tokens_per_s"
+    for flag, name in (("--core", "core_decode_tokens_per_s"),
+                       ("--core-median", "core_median_decode_tokens_per_s")):
+        if flag in args:
+            args.remove(flag)
+            column = name
     dst = None
     if "--plot" in args:
         i = args.index("--plot")

@@ -170,21 +170,52 @@ def test_core_decode_step_reads_the_engine_cores_token_timestamps():
 
 def test_step_row_keeps_the_fastest_core_step_and_every_repeat():
     args = type("A", (), {"heads": 16, "kv": "fp8", "output_len": 336, "short_len": 16})()
-    row = bench_engine.step_row(args, "FLASHMLA", 128, short_s=0.5, dt=3.7,
-                                core_steps=[0.012, 0.008, None])
+    core = bench_engine.CoreTiming(steps=[0.012, 0.008, None],
+                                   quantiles=[(0.009, 0.010, 0.020), None, (0.004, 0.005, 0.006)])
+    row = bench_engine.step_row(args, "FLASHMLA", 128, short_s=0.5, dt=3.7, core=core)
     assert row["step_ms"] == "10.000"  # the difference estimate is unchanged
     assert row["core_step_ms"] == "8.000" and row["core_steps_each_ms"] == "12.000;8.000"
     assert row["core_decode_tokens_per_s"] == "16000"
-    assert "core_step_ms" not in bench_engine.step_row(args, "FLASHMLA", 128, 0.5, 3.7)
+    assert row["core_median_step_ms"] == "5.000"
+    assert row["core_step_quantiles_each_ms"] == "9.000/10.000/20.000;4.000/5.000/6.000"
+    assert row["core_median_decode_tokens_per_s"] == "25600"
+    plain = bench_engine.step_row(args, "FLASHMLA", 128, 0.5, 3.7)
+    assert "core_step_ms" not in plain and "core_median_step_ms" not in plain
+
+
+def test_step_quantiles_take_each_steps_median_interval():
+    """Deciles by linear interpolation between order statistics (numpy's default
+    percentile): steps of 1..10 ms give 1.9 / 5.5 / 9.1 ms; one step gives none."""
+    steps = [[t * 1e-3, t * 4e-3, 4] for t in (7, 1, 10, 4, 2, 9, 3, 8, 6, 5)]
+    p10, p50, p90 = bench_engine.step_quantiles_s(steps)
+    assert (p10, p50, p90) == pytest.approx((1.9e-3, 5.5e-3, 9.1e-3))
+    assert bench_engine.step_quantiles_s(steps[:1]) is None
+
+
+def test_core_timing_takes_each_repeats_steps_and_starts_afresh():
+    """Per repeat: the requests' first-to-last step and the percentiles of the steps the
+    clock recorded during that repeat only."""
+    pytest.importorskip("vllm")
+    intervals = [[1.0, 1.0, 1]] * 5  # left over from an untimed generate
+    core = bench_engine.CoreTiming(intervals)
+    core.start()
+    intervals += [[0.002, 0.004, 2], [0.004, 0.008, 2]]
+    core.add([_output(10.0, 10.06, 4)])
+    assert core.steps == [pytest.approx(0.02)]
+    assert core.quantiles == [pytest.approx((0.0022, 0.003, 0.0038))]
 
 
 def test_paired_ratio_by_the_core_column():
     rows = [dict(round="0", heads="16", kv="fp8", batch="32", backend=b, status="ok",
-                 decode_tokens_per_s=d, core_decode_tokens_per_s=c)
-            for b, d, c in (("TRTLLM_MLA", "100", "110"), ("FLASHMLA", "100", "100"))]
+                 decode_tokens_per_s=d, core_decode_tokens_per_s=c,
+                 core_median_decode_tokens_per_s=m)
+            for b, d, c, m in (("TRTLLM_MLA", "100", "110", "90"),
+                               ("FLASHMLA", "100", "100", "100"))]
     [by_diff] = summarize_engine.paired_points([rows])
     [by_core] = summarize_engine.paired_points([rows], "core_decode_tokens_per_s")
+    [by_median] = summarize_engine.paired_points([rows], "core_median_decode_tokens_per_s")
     assert by_diff.ratios == (1.0,) and by_core.ratios == pytest.approx((1.1,))
+    assert by_median.ratios == pytest.approx((0.9,))
 
 
 class _FakeLLM:

@@ -96,9 +96,11 @@ def test_unservable_configuration_refused_at_start(engine):
 
 def _comparable(result: dict) -> dict:
     """``result`` without what differs between two runs of one engine: whether the plugin
-    was loaded, and the engine core's timestamps of each request's tokens."""
+    was loaded, and the engine core's timestamps (each request's tokens, each step's
+    intervals)."""
     prompts = [{k: v for k, v in p.items() if k != "core_ts"} for p in result["prompts"]]
-    return {**{k: v for k, v in result.items() if k != "plugin_loaded"}, "prompts": prompts}
+    return {**{k: v for k, v in result.items() if k not in ("plugin_loaded", "step_intervals")},
+            "prompts": prompts}
 
 
 def _assert_same_engine(installed, without):
@@ -167,3 +169,20 @@ def test_engine_core_timestamps_cover_every_generated_token(vllm_cpu_mla):
         first, last, tokens = p["core_ts"]
         assert tokens == len(p["token_ids"]) >= 2
         assert 0 < first < last  # one decode step at least between them
+
+
+def test_step_intervals_add_up_to_every_requests_decode_time(vllm_cpu_mla):
+    """``record_step_intervals`` (what ``bench_engine.py --core-steps`` takes each decode
+    step's time from) sees every step: over all steps its intervals add up to each
+    request's first-to-last token time and count its decode tokens, as vLLM's per-request
+    timestamps (``core_ts``) say independently."""
+    result = vllm_cpu_mla.result
+    steps = result["step_intervals"]
+    decoded = [(last - first, tokens - 1) for first, last, tokens in
+               (p["core_ts"] for p in result["prompts"])]
+    assert sum(count for _, _, count in steps) == sum(n for _, n in decoded)
+    assert sum(total for _, total, _ in steps) == pytest.approx(sum(t for t, _ in decoded),
+                                                                rel=1e-9)
+    # A step's median lies among its intervals: positive, and no longer than the run.
+    assert all(0 < median <= total for median, total, _ in steps)
+    assert len(steps) >= max(n for _, n in decoded)

@@ -10,7 +10,8 @@ and vLLM's global state apart.
 (see ``load_prompts``): for a multimodal model, which then loads its tokenizer.
 
 The JSON holds, per prompt, the generated token ids and the top-2 logprobs of each step,
-the engine's batch schedule (which requests ran how many tokens in each step),
+the engine's batch schedule (which requests ran how many tokens in each step), the engine
+core's decode intervals per step (``step_intervals``, see ``record_step_intervals``),
 the engine settings that decide how prompts are scheduled and cached (``engine_config``:
 block size, chunked prefill, prefix caching, token budget, dtype) and the attention backend
 and impl classes the MLA layers resolved (``attention_classes``), so a test can check that
@@ -154,6 +155,36 @@ def record_schedule(llm: Any) -> list[list[list]] | None:
     return steps
 
 
+def record_step_intervals(llm: Any) -> list[list[float]] | None:
+    """Start recording the engine core's decode steps one by one; returns the list it fills.
+
+    One entry per engine step that gave decode tokens: ``[median, total, count]`` of the
+    intervals vLLM's output processor measured since each of those requests' previous token
+    (``IterationStats.inter_token_latencies_iter``, by the engine core's timestamps; one per
+    request, equal for requests that decoded in the step before). Over a request's life its
+    intervals add up to ``last_token_ts - first_token_ts`` (``core_ts``). ``None`` when the
+    engine logs no stats. ``LLM`` passes no custom stat loggers through to its engine, so
+    this wraps the engine's ``StatLoggerManager.record``, which every step calls.
+    """
+    import statistics
+
+    manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
+    if manager is None:
+        return None
+    steps: list[list[float]] = []
+    record = manager.record
+
+    def recording_record(scheduler_stats: Any, iteration_stats: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+        intervals = getattr(iteration_stats, "inter_token_latencies_iter", None)
+        if intervals:
+            steps.append([statistics.median(intervals), sum(intervals), len(intervals)])
+        return record(scheduler_stats, iteration_stats, *args, **kwargs)
+
+    manager.record = recording_record
+    return steps
+
+
 #: Engine counters ``engine_counters`` reports (summed over labels; the per-position
 #: acceptance vector element-wise).
 COUNTERS = (
@@ -271,6 +302,7 @@ def main() -> None:
         kwargs["speculative_config"] = json.loads(args.speculative_config)
     llm = LLM(model=args.model, dtype=args.dtype, disable_log_stats=False, **kwargs)
     schedule = record_schedule(llm)
+    step_intervals = record_step_intervals(llm)
 
     max_tokens = [int(x) for x in args.max_tokens.split(",")]
     if len(max_tokens) == 1:
@@ -280,6 +312,7 @@ def main() -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = {"prompts": [completion_record(out) for out in outputs]}
     result["schedule"] = schedule
+    result["step_intervals"] = step_intervals
     counts = engine_counters(llm)
     result["num_preemptions"] = counts.get("num_preemptions", 0)
     # Speculative decoding's counters (drafts, draft and accepted tokens, accepted per draft

@@ -638,3 +638,65 @@ def test_overhead_fit_keeps_rules_that_never_lose_and_checks_them_on_other_shape
     assert len(kept) == 2 and "vs own plan 1.118 (worst 1.000)" in kept[0]
     assert "vs own plan 1.118 (worst 1.000)" in kept[1]
     assert "vs vLLM FA3 1.006 (worst 0.900)" in kept[1]  # sqrt(9 / 10 * 9 / 8)
+
+
+def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, tmp_path):
+    """``bench_fa3_graph_splits``: random shapes of more than ``MAX_TILES`` query tiles are
+    left out; per shape the route is re-planned at each cap before it is run and timed, and
+    its rows come with the peers' and the cap-32 output's difference."""
+    import bench_fa3_graph_splits as sweep_bench
+    import decode_kernels
+
+    small, big = (16, 2, 4096, "u", 1, "bf16", 64), (64, 16, 4096, "u", 1, "bf16", 64)
+    assert sweep_bench.query_tiles(small) == 2 and sweep_bench.query_tiles(big) == 16
+    monkeypatch.setattr(sweep_bench, "FIXED", [])
+    monkeypatch.setattr(bench_decode, "random_set", lambda seed, count, keep: [(1, small),
+                                                                                (2, big)])
+    made = []
+
+    def make_case(shape, seed, device):
+        made.append(shape)
+        return type("C", (), {"name": f"b{shape[1]}", "caches": [0], "batch": "batch"})()
+
+    class Route:
+        _max_splits = 32
+        planned = None
+
+        def plan(self, batch):
+            self.planned = self._max_splits
+
+    route = Route()
+
+    def decoder_kernel(name, case, route_name, cuda_graph=False):
+        def call(cache):
+            return torch.full((2,), float(route.planned) if cuda_graph else 1.0)
+
+        obj = type("D", (), {"route": route})()
+        return decode_kernels.Kernel(name, call, obj=obj)
+
+    def peer(case):
+        return decode_kernels.Kernel("peer", lambda cache: torch.ones(2))
+
+    timed = []
+
+    def time_graph(fn, case):
+        out = fn(0)
+        timed.append(float(out[0]))
+        return 100.0 / float(out[0])  # the cap's time: 100 / cap (peers: 100)
+
+    monkeypatch.setattr(bench_decode, "make_case", make_case)
+    monkeypatch.setattr(bench_decode, "time_graph", time_graph)
+    monkeypatch.setattr(decode_kernels, "decoder_kernel", decoder_kernel)
+    monkeypatch.setattr(decode_kernels, "vllm_fa3_mla_peer", peer)
+    monkeypatch.setattr(decode_kernels, "flashmla_peer", peer)
+    out = tmp_path / "s.csv"
+    sweep_bench.sweep("cpu", 5, 2, [32, 128], out)
+    assert made == [small]
+    assert timed == [1.0, 1.0, 1.0, 32.0, 128.0]  # the peers, then each cap as planned
+    with open(out, newline="") as f:
+        rows = list(bench_decode.csv.DictReader(f))
+    assert [(r["kernel"], r["us"], r["tiles"]) for r in rows] == [
+        ("vllm-fa3-mla@32", "3.12", "2"), ("vllm-fa3-mla@128", "0.78", "2"),
+        ("vllm-fa3-mla-eager", "100.00", "2"), ("peer:vllm-fa3-mla", "100.00", "2"),
+        ("peer:vllm-flashmla", "100.00", "2")]
+    assert float(rows[1]["rel_diff"]) == pytest.approx(3.0)  # |128 - 32| / 32

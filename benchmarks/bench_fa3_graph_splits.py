@@ -1,0 +1,118 @@
+"""vLLM's FA3 MLA kernel under CUDA graphs at other caps on its KV splits (needs CUDA and
+the kit's vLLM).
+
+``python3 benchmarks/bench_fa3_graph_splits.py [--seed S] [--count N] [--caps 32,64,128]
+--out F.csv`` times the ``vllm-fa3-mla`` route set up for CUDA graphs (the graph rule's
+route for batches of up to 32 requests) with its cap on FA3's KV splits (``num_splits``,
+vLLM's ``flash_attn_max_num_splits_for_cuda_graph``, 32) set to each of ``--caps``, beside
+the route as an eager decoder runs it (FA3's own bound, up to 128), vLLM's FLASH_ATTN_MLA
+call (``peer:vllm-fa3-mla``, cap 32) and FLASHMLA's call, all graph-timed. Shapes: fixed
+long and short contexts at b1-b4, and the bf16 shapes of random set ``--seed`` whose batch
+holds at most ``MAX_TILES`` FA3 query tiles (64 query rows each): only there can a request
+want more than 32 splits. Writes ``--out`` (CSV: shape, tiles, kernel, us, difference to the
+cap-32 output) and prints, per cap, the geometric mean and range of the cap-32 time over
+that cap's.
+
+Why: in runs 80 and 85 the eager route (uncapped) beat the capped one by 1.06-1.42x on
+b1-b3 batches of 12k-43k tokens (h16 b1 43k: 43.5 -> 30.6 us) and lost up to 21% on some
+short ones, so the cap is a lever at small batches only, and short contexts must not lose.
+FA3 sizes its partial outputs by the cap (``cap x query rows x 512`` floats per call, in
+the captured graph's memory): at most ``MAX_TILES x 64`` rows here, so a cap of 128 costs
+at most what cap 32 costs at 2048 rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+from pathlib import Path
+
+import bench_decode as bd
+import decode_kernels as dk
+import torch
+
+#: FA3's query tile (rows of heads x query tokens) for MLA on SM90, and the most tiles a
+#: batch may hold here: at 32 splits each, under two waves of the H200's 132 SMs.
+FA3_TILE_ROWS = 64
+MAX_TILES = 8
+FIXED = [(16, 1, 43444, "u", 1, bd.BF, 64), (16, 1, 16384, "u", 1, bd.BF, 64),
+         (16, 1, 2048, "u", 1, bd.BF, 64), (16, 1, 512, "u", 1, bd.BF, 64),
+         (16, 2, 25696, "r0.27", 1, bd.BF, 64), (16, 4, 32768, "u", 1, bd.BF, 64),
+         (32, 1, 1070, "r0.15", 1, bd.BF, 64), (32, 3, 53409, "u", 1, bd.BF, 64),
+         (64, 3, 1209, "u", 2, bd.BF, 64), (128, 1, 32768, "u", 1, bd.BF, 64),
+         (8, 2, 13125, "r0.66", 2, bd.BF, 64), (16, 8, 8192, "u", 1, bd.BF, 64)]
+FIELDS = ["shape", "tiles", "kernel", "us", "rel_diff"]
+
+
+def query_tiles(shape: tuple) -> int:
+    """FA3's query tiles for a batch of ``shape`` (``bench_decode`` shape tuple)."""
+    heads, batch, _, _, q_len, _, _ = shape
+    return batch * math.ceil(heads * q_len / FA3_TILE_ROWS)
+
+
+def sweep(device: torch.device, seed: int, count: int, caps: list[int], out: Path) -> None:
+    shapes = [(11, s) for s in FIXED] + [
+        (case_seed, s) for case_seed, s in bd.random_set(seed, count, keep=bd.BF)
+        if query_tiles(s) <= MAX_TILES]
+    gains: dict[int, list[float]] = {cap: [] for cap in caps}
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for case_seed, shape in shapes:
+            case = bd.make_case(shape, case_seed, device)
+            route = dk.decoder_kernel("vllm-fa3-mla", case, "vllm-fa3-mla", cuda_graph=True)
+            if route.call is None:
+                continue
+            kernels = {"vllm-fa3-mla-eager": dk.decoder_kernel(
+                           "vllm-fa3-mla-eager", case, "vllm-fa3-mla"),
+                       "peer:vllm-fa3-mla": dk.vllm_fa3_mla_peer(case),
+                       "peer:vllm-flashmla": dk.flashmla_peer(case)}
+            times = {name: bd.time_graph(k.call, case) for name, k in kernels.items()
+                     if k.call is not None}
+            r, first = route.obj.route, None
+            for cap in caps:
+                r._max_splits = cap
+                r.plan(case.batch)
+                result = route.call(case.caches[0]).float()
+                first = result if first is None else first
+                times[f"vllm-fa3-mla@{cap}"] = bd.time_graph(route.call, case)
+                diff = ((result - first).norm() / first.norm()).item()
+                writer.writerow(dict(shape=case.name, tiles=query_tiles(shape),
+                                     kernel=f"vllm-fa3-mla@{cap}",
+                                     us=f"{times[f'vllm-fa3-mla@{cap}']:.2f}",
+                                     rel_diff=f"{diff:.1e}"))
+            for name in kernels:
+                if name in times:
+                    writer.writerow(dict(shape=case.name, tiles=query_tiles(shape),
+                                         kernel=name, us=f"{times[name]:.2f}"))
+            f.flush()
+            base = times[f"vllm-fa3-mla@{caps[0]}"]
+            for cap in caps:
+                gains[cap].append(base / times[f"vllm-fa3-mla@{cap}"])
+            print(f"{case.name}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()),
+                  flush=True)
+            del case
+            torch.cuda.empty_cache()
+    for cap, g in gains.items():
+        if g:
+            print(f"cap {cap}: cap-{caps[0]} time / this cap's over {len(g)} shapes: geomean "
+                  f"{statistics.geometric_mean(g):.3f}, worst {min(g):.3f}, best {max(g):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=41)
+    parser.add_argument("--count", type=int, default=120)
+    parser.add_argument("--caps", default="32,64,128",
+                        help="caps on FA3's KV splits; the first is the one the others' "
+                        "outputs and times are compared with")
+    parser.add_argument("--out", type=Path, default=Path("fa3-graph-splits.csv"))
+    args = parser.parse_args()
+    sweep(torch.device("cuda"), args.seed, args.count,
+          [int(c) for c in args.caps.split(",")], args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -31,9 +31,11 @@ import json
 import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -231,6 +233,38 @@ def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> flo
 
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
     return ms * 1e3 / reps
+
+
+def route_variants(kernel: Kernel, case: Case, values: list, set_value: Callable
+                   ) -> Iterator[tuple[object, float, float]]:
+    """The route of ``kernel`` (a ``decoder_kernel``) under each of ``values``: per value,
+    ``set_value(route, value)``, the route re-planned on the case's batch, then ``(value,
+    graph-timed us, its output's relative difference to the first value's)``; the route
+    keeps each value's plan until the caller resumes."""
+    route, first = kernel.obj.route, None
+    for value in values:
+        set_value(route, value)
+        route.plan(case.batch)
+        result = kernel.call(case.caches[0]).float()
+        first = result if first is None else first
+        diff = ((result - first).norm() / first.norm()).item()
+        yield value, time_graph(kernel.call, case), diff
+
+
+def write_peer_rows(writer: csv.DictWriter, name: str, peers: list[str],
+                    times: dict[str, float], **columns: object) -> None:
+    """CSV rows (``shape``, ``kernel``, ``us`` and ``columns``) for the peers of ``peers``
+    that ``times`` holds, then one line of every time of shape ``name`` on stdout."""
+    for peer in peers:
+        if peer in times:
+            writer.writerow(dict(shape=name, kernel=peer, us=f"{times[peer]:.2f}", **columns))
+    print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()), flush=True)
+
+
+def ratio_summary(ratios: list[float]) -> str:
+    """``over N shapes: geomean G, worst W, best B`` of per-shape time ratios."""
+    return (f"over {len(ratios)} shapes: geomean {statistics.geometric_mean(ratios):.3f}, "
+            f"worst {min(ratios):.3f}, best {max(ratios):.3f}")
 
 
 def time_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> float:

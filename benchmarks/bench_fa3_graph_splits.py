@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import statistics
 from pathlib import Path
 
 import bench_decode as bd
@@ -52,6 +51,11 @@ def query_tiles(shape: tuple) -> int:
     return batch * math.ceil(heads * q_len / FA3_TILE_ROWS)
 
 
+def set_cap(route, cap: int) -> None:
+    """The ``vllm-fa3-mla`` route's cap on FA3's KV splits (read by its plan and run)."""
+    route._max_splits = cap
+
+
 def sweep(device: torch.device, seed: int, count: int, caps: list[int], out: Path) -> None:
     shapes = [(11, s) for s in FIXED] + [
         (case_seed, s) for case_seed, s in bd.random_set(seed, count, keep=bd.BF)
@@ -71,34 +75,22 @@ def sweep(device: torch.device, seed: int, count: int, caps: list[int], out: Pat
                        "peer:vllm-flashmla": dk.flashmla_peer(case)}
             times = {name: bd.time_graph(k.call, case) for name, k in kernels.items()
                      if k.call is not None}
-            r, first = route.obj.route, None
-            for cap in caps:
-                r._max_splits = cap
-                r.plan(case.batch)
-                result = route.call(case.caches[0]).float()
-                first = result if first is None else first
-                times[f"vllm-fa3-mla@{cap}"] = bd.time_graph(route.call, case)
-                diff = ((result - first).norm() / first.norm()).item()
+            for cap, us, diff in bd.route_variants(route, case, caps, set_cap):
+                times[f"vllm-fa3-mla@{cap}"] = us
                 writer.writerow(dict(shape=case.name, tiles=query_tiles(shape),
-                                     kernel=f"vllm-fa3-mla@{cap}",
-                                     us=f"{times[f'vllm-fa3-mla@{cap}']:.2f}",
+                                     kernel=f"vllm-fa3-mla@{cap}", us=f"{us:.2f}",
                                      rel_diff=f"{diff:.1e}"))
-            for name in kernels:
-                if name in times:
-                    writer.writerow(dict(shape=case.name, tiles=query_tiles(shape),
-                                         kernel=name, us=f"{times[name]:.2f}"))
+            bd.write_peer_rows(writer, case.name, list(kernels), times,
+                               tiles=query_tiles(shape))
             f.flush()
             base = times[f"vllm-fa3-mla@{caps[0]}"]
             for cap in caps:
                 gains[cap].append(base / times[f"vllm-fa3-mla@{cap}"])
-            print(f"{case.name}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()),
-                  flush=True)
             del case
             torch.cuda.empty_cache()
     for cap, g in gains.items():
         if g:
-            print(f"cap {cap}: cap-{caps[0]} time / this cap's over {len(g)} shapes: geomean "
-                  f"{statistics.geometric_mean(g):.3f}, worst {min(g):.3f}, best {max(g):.3f}")
+            print(f"cap {cap}: cap-{caps[0]} time / this cap's {bd.ratio_summary(g)}")
 
 
 def main() -> None:

@@ -166,6 +166,11 @@ def route_against_peer(device: torch.device, seed: int, count: int) -> None:
           f"{geomean:.3f}, worst {min(ratios):.3f}, under 0.98: {sum(r < 0.98 for r in ratios)}")
 
 
+def set_overhead(route, blocks: int) -> None:
+    """The ``flashmla`` route's cost per request in its schedule (read by its plan)."""
+    route._schedule.overhead_blocks = blocks
+
+
 def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[int],
                    out: Path) -> None:
     shapes = [(9, s) for s in LOSS_REGION] + bd.random_set(seed, count, keep=bd.BF)
@@ -183,15 +188,8 @@ def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[
             times = {name: bd.time_graph(k.call, case) for name, k in peers.items()
                      if k.call is not None}
             r, b = route.obj.route, case.batch.batch_size
-            first = None
-            for o in overheads:
-                r._schedule.overhead_blocks = o
-                r.plan(case.batch)
-                result = route.call(case.caches[0]).float()
-                first = result if first is None else first
-                us = bd.time_graph(route.call, case)
+            for o, us, diff in bd.route_variants(route, case, overheads, set_overhead):
                 extra = int(r._schedule.buffers[1][-1]) - b
-                diff = ((result - first).norm() / first.norm()).item()
                 times[f"flashmla@{o}"] = us
                 writer.writerow(dict(shape=case.name, kernel=f"flashmla@{o}", us=f"{us:.2f}",
                                      extra_pieces=extra, rel_diff=f"{diff:.1e}"))
@@ -201,20 +199,13 @@ def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[
                 shape=case.name, lens=list(case.lens_host), q_len=case.q_len,
                 heads=case.spec.num_heads,
                 parts=r._schedule.num_parts(case.q_len * case.spec.num_heads))) + "\n")
-            for name in peers:
-                if name in times:
-                    writer.writerow(dict(shape=case.name, kernel=name,
-                                         us=f"{times[name]:.2f}"))
+            bd.write_peer_rows(writer, case.name, list(peers), times)
             f.flush()
-            print(f"{case.name}: " + ", ".join(f"{k} {v:.1f}" for k, v in times.items()),
-                  flush=True)
             del case
             torch.cuda.empty_cache()
     for o, g in gains.items():
         if g:
-            geo = statistics.geometric_mean(g)
-            print(f"overhead {o}: vLLM FA3 / flashmla route over {len(g)} shapes: geomean "
-                  f"{geo:.3f}, worst {min(g):.3f}, best {max(g):.3f}")
+            print(f"overhead {o}: vLLM FA3 / flashmla route {bd.ratio_summary(g)}")
 
 
 def main() -> None:

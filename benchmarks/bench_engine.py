@@ -76,6 +76,7 @@ import csv
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -186,8 +187,6 @@ def step_quantiles_s(steps: list[list[float]]) -> tuple[float, float, float] | N
     """10th, 50th and 90th percentile (inclusive, linear) of the decode steps' seconds, each
     step its median interval (``[median, total, count]`` rows of
     ``run_engine.record_step_intervals``); ``None`` for fewer than two steps."""
-    import statistics
-
     if len(steps) < 2:
         return None
     times = [median for median, _, _ in steps]
@@ -201,8 +200,6 @@ def core_decode_step_s(outputs: list) -> float | None:
     first token (the prefill or recompute step) to its last, over the decode steps between
     them (``num_generation_tokens - 1``); the median over requests. ``None`` where the
     engine kept no timestamps."""
-    import statistics
-
     steps = []
     for out in outputs:
         m = getattr(out, "metrics", None)
@@ -540,8 +537,6 @@ def main() -> None:
 
 def print_medians(rows: list[dict]) -> None:
     """Per (heads, kv, backend, batch): the median decode step over rounds, and its range."""
-    from statistics import median
-
     steps: dict[tuple, list[float]] = {}
     for r in rows:
         if r.get("status") == "ok":
@@ -550,7 +545,7 @@ def print_medians(rows: list[dict]) -> None:
     print(f"\n{'heads':>5} {'kv':>4} {'backend':>26} {'batch':>5} {'decode tok/s':>12} "
           f"{'step ms (median)':>16} {'min-max':>13} {'rounds':>6}")
     for (heads, kv, backend, batch), ms in steps.items():
-        mid = median(ms)
+        mid = statistics.median(ms)
         print(f"{heads:>5} {kv:>4} {backend:>26} {batch:>5} {batch / mid * 1e3:>12.0f} "
               f"{mid:>16.3f} {min(ms):>6.2f}-{max(ms):<6.2f} {len(ms):>6}")
 

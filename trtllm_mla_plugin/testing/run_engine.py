@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +167,6 @@ def record_step_intervals(llm: Any) -> list[list[float]] | None:
     engine logs no stats. ``LLM`` passes no custom stat loggers through to its engine, so
     this wraps the engine's ``StatLoggerManager.record``, which every step calls.
     """
-    import statistics
-
     manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
     if manager is None:
         return None

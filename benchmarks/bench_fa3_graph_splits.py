@@ -1,10 +1,12 @@
 """vLLM's FA3 MLA kernel under CUDA graphs at other caps on its KV splits (needs CUDA and
 the kit's vLLM).
 
-``python3 benchmarks/bench_fa3_graph_splits.py [--seed S] [--count N] [--caps 32,64,128]
---out F.csv`` times the ``vllm-fa3-mla`` route set up for CUDA graphs (the graph rule's
-route for batches of up to 32 requests) with its cap on FA3's KV splits (``num_splits``,
-vLLM's ``flash_attn_max_num_splits_for_cuda_graph``, 32) set to each of ``--caps``, beside
+``python3 benchmarks/bench_fa3_graph_splits.py [--seed S] [--count N]
+[--caps 32,64,128,rule] --out F.csv`` times the ``vllm-fa3-mla`` route set up for CUDA
+graphs (the graph rule's route for batches of up to 32 requests) with its cap on FA3's KV
+splits (``num_splits``, vLLM's ``flash_attn_max_num_splits_for_cuda_graph``, 32) set to
+each of ``--caps`` (``rule``: the route's own choice, ``graph_split_reserve`` and
+``ops.policy.vllm_fa3_wide_splits``), beside
 the route as an eager decoder runs it (FA3's own bound, up to 128), vLLM's FLASH_ATTN_MLA
 call (``peer:vllm-fa3-mla``, cap 32) and FLASHMLA's call, all graph-timed. Shapes: fixed
 long and short contexts at b1-b4, and the bf16 shapes of random set ``--seed`` whose batch
@@ -51,16 +53,18 @@ def query_tiles(shape: tuple) -> int:
     return batch * math.ceil(heads * q_len / FA3_TILE_ROWS)
 
 
-def set_cap(route, cap: int) -> None:
-    """The ``vllm-fa3-mla`` route's cap on FA3's KV splits (read by its plan and run)."""
-    route._max_splits = cap
+def set_cap(route, cap: int | str) -> None:
+    """The ``vllm-fa3-mla`` route's cap on FA3's KV splits for its plan and run (``"rule"``:
+    its own)."""
+    route.max_splits_override = None if cap == "rule" else cap
 
 
-def sweep(device: torch.device, seed: int, count: int, caps: list[int], out: Path) -> None:
+def sweep(device: torch.device, seed: int, count: int, caps: list[int | str], out: Path
+          ) -> None:
     shapes = [(11, s) for s in FIXED] + [
         (case_seed, s) for case_seed, s in bd.random_set(seed, count, keep=bd.BF)
         if query_tiles(s) <= MAX_TILES]
-    gains: dict[int, list[float]] = {cap: [] for cap in caps}
+    gains: dict[int | str, list[float]] = {cap: [] for cap in caps}
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
@@ -97,13 +101,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=41)
     parser.add_argument("--count", type=int, default=120)
-    parser.add_argument("--caps", default="32,64,128",
-                        help="caps on FA3's KV splits; the first is the one the others' "
-                        "outputs and times are compared with")
+    parser.add_argument("--caps", default="32,64,128,rule",
+                        help="caps on FA3's KV splits (rule: the route's own); the first is "
+                        "the one the others' outputs and times are compared with")
     parser.add_argument("--out", type=Path, default=Path("fa3-graph-splits.csv"))
     args = parser.parse_args()
     sweep(torch.device("cuda"), args.seed, args.count,
-          [int(c) for c in args.caps.split(",")], args.out)
+          [c if c == "rule" else int(c) for c in args.caps.split(",")], args.out)
 
 
 if __name__ == "__main__":

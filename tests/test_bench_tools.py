@@ -659,11 +659,11 @@ def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, 
         return type("C", (), {"name": f"b{shape[1]}", "caches": [0], "batch": "batch"})()
 
     class Route:
-        _max_splits = 32
+        max_splits_override = None
         planned = None
 
         def plan(self, batch):
-            self.planned = self._max_splits
+            self.planned = self.max_splits_override or 64  # None: the route's rule
 
     route = Route()
 
@@ -690,13 +690,16 @@ def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, 
     monkeypatch.setattr(decode_kernels, "vllm_fa3_mla_peer", peer)
     monkeypatch.setattr(decode_kernels, "flashmla_peer", peer)
     out = tmp_path / "s.csv"
-    sweep_bench.sweep("cpu", 5, 2, [32, 128], out)
+    sweep_bench.sweep("cpu", 5, 2, [32, 128, "rule"], out)
     assert made == [small]
-    assert timed == [1.0, 1.0, 1.0, 32.0, 128.0]  # the peers, then each cap as planned
+    # The peers, then each cap as planned; "rule" hands the choice back to the route.
+    assert timed == [1.0, 1.0, 1.0, 32.0, 128.0, 64.0]
+    assert route.max_splits_override is None
     with open(out, newline="") as f:
         rows = list(bench_decode.csv.DictReader(f))
     assert [(r["kernel"], r["us"], r["tiles"]) for r in rows] == [
         ("vllm-fa3-mla@32", "3.12", "2"), ("vllm-fa3-mla@128", "0.78", "2"),
+        ("vllm-fa3-mla@rule", "1.56", "2"),
         ("vllm-fa3-mla-eager", "100.00", "2"), ("peer:vllm-fa3-mla", "100.00", "2"),
         ("peer:vllm-flashmla", "100.00", "2")]
     assert float(rows[1]["rel_diff"]) == pytest.approx(3.0)  # |128 - 32| / 32

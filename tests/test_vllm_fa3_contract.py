@@ -20,6 +20,8 @@ from trtllm_mla_plugin.ops.routes.base import round_up
 from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import (
     FA3_MODULE,
     GRAPH_MAX_SPLITS,
+    GRAPH_WIDE_MAX_ROWS,
+    GRAPH_WIDE_SPLITS,
     VllmFA3MLARoute,
     fa3_scheduler_metadata_size,
 )
@@ -125,7 +127,10 @@ def test_calls_match_vllm_interface_and_backend(fake, cuda_graph):
         sched, call = fake.schedules[-1], fake.calls[-1]
         assert set(sched) <= set(params["get_scheduler_metadata"])
         assert set(call) <= set(params["flash_attn_varlen_func"])
+        # Short requests under CUDA graphs: vLLM's cap in the plan; the launch reserves
+        # room for the wide cap (16 heads x at most 6 tokens is under GRAPH_WIDE_MAX_ROWS).
         splits = GRAPH_MAX_SPLITS if cuda_graph else 0
+        reserved = GRAPH_WIDE_SPLITS if cuda_graph else 0
         expect_cu = torch.tensor([0, *torch.tensor(q_lens or [uniform_q] * len(lens)).cumsum(0)])
         # What vLLM's FlashAttnMLAMetadataBuilder._schedule_decode passes.
         assert sched["batch_size"] == len(lens) and sched["max_seqlen_q"] == b.max_q_len
@@ -146,13 +151,53 @@ def test_calls_match_vllm_interface_and_backend(fake, cuda_graph):
         assert torch.equal(call["block_table"], b.block_table)
         assert call["max_seqlen_q"] == b.max_q_len and call["max_seqlen_k"] == max(lens)
         assert call["causal"] is True and call["fa_version"] == 3
-        assert call["softmax_scale"] == SCALE and call["num_splits"] == splits
+        assert call["softmax_scale"] == SCALE and call["num_splits"] == reserved
         assert call["out"] is out
         meta = call["scheduler_metadata"]
         assert meta.shape == (fake.metadata_len,) and bool((meta == 1).all())
         # The persistent buffer's tail is zeroed (stale entries would misdirect thread blocks).
         assert bool((route._scheduler[fake.metadata_len:] == 0).all())
         assert route._scheduler.numel() == 1 + round_up(6, 4) * 4
+
+
+def planned_and_launched(route, fake, lens, uniform_q=1) -> tuple[int, int]:
+    """(``num_splits`` of the plan, of the launch) for a batch of ``lens``."""
+    b = batch_of(lens, uniform_q=uniform_q, width=max(lens) // 64 + 1)
+    route.plan(b)
+    heads = route.spec.num_heads
+    route.run(torch.randn(b.num_tokens, heads, 576).to(BF16), torch.randn(4, 64, 576).to(BF16),
+              torch.empty(b.num_tokens, heads, 512, dtype=BF16), UNIT_SCALES)
+    return fake.schedules[-1]["num_splits"], fake.calls[-1]["num_splits"]
+
+
+@pytest.mark.parametrize("heads,q_len,batch", [(16, 1, 1), (16, 1, 64), (128, 4, 2),
+                                               (16, 1, 65), (128, 1, 9), (64, 4, 8)])
+def test_graph_launch_reserves_splits_by_rows_alone(fake, heads, q_len, batch):
+    """Under CUDA graphs the launch's ``num_splits`` (the size of FA3's partial outputs in
+    the captured graph) depends on the batch's query rows only, so replays of any lengths
+    match the capture; the plan never asks for more splits than that, and more than vLLM's
+    32 only for long requests on batches of at most ``GRAPH_WIDE_MAX_ROWS`` rows."""
+    route = VllmFA3MLARoute(spec(heads=heads, max_q_len=q_len), torch.device("cpu"),
+                            max_batch_size=128, cuda_graph=True)
+    small = heads * q_len * batch <= GRAPH_WIDE_MAX_ROWS
+    reserved = GRAPH_WIDE_SPLITS if small else GRAPH_MAX_SPLITS
+    seen = set()
+    for longest in (70, 8191, 8192, 50_000, 900):
+        lens = [longest] + [64] * (batch - 1)
+        planned, launched = planned_and_launched(route, fake, lens, q_len)
+        seen.add(launched)
+        wide = longest >= 8192 and small
+        assert planned == (GRAPH_WIDE_SPLITS if wide else GRAPH_MAX_SPLITS), longest
+        assert planned <= launched
+    assert seen == {reserved}
+
+
+def test_eager_steps_and_overrides_leave_the_splits_to_one_value(fake):
+    eager = VllmFA3MLARoute(spec(), torch.device("cpu"), 4, cuda_graph=False)
+    assert planned_and_launched(eager, fake, [50_000]) == (0, 0)
+    graph = VllmFA3MLARoute(spec(), torch.device("cpu"), 4, cuda_graph=True)
+    graph.max_splits_override = 128
+    assert planned_and_launched(graph, fake, [100, 50_000]) == (128, 128)
 
 
 def test_graph_buffers_keep_their_addresses(fake):

@@ -141,6 +141,16 @@ VLLM_FA3_EAGER_MAX_BATCH = 32
 #: seeds 13-19 (runs 77-79), not fitted on: 66 switched, 41 faster, geomean 1.027 over
 #: them; worst 0.855 (seed 15), two seeds of seven 0.992 / 0.999 over their switched shapes.
 VLLM_FA3_EAGER_MIN_KV_TOKENS = 4096
+#: Under CUDA graphs vLLM caps FA3's KV splits at 32 (``GRAPH_MAX_SPLITS`` of the
+#: ``vllm-fa3-mla`` route; FA3 sizes its partial outputs by the cap when the graph is
+#: captured). Where the route reserved room for more (small batches: ``GRAPH_WIDE_SPLITS``
+#: there), steps whose longest request holds at least this many tokens
+#: plan up to that many: by FA3's split formula the cap of 32 binds only for a request
+#: holding more than about a quarter of the batch's KV, and then long requests gain while
+#: short ones, cut into one-page splits, lose (run 97, seeds 41-42, 58 shapes of at most 8
+#: query tiles: cap 64 for all ran 1.02-1.43x faster from 13k tokens on, but 0.76x at h16 b2
+#: 3.6k q3 and 0.95x at h32 b1 5.5k q3; from 8k on no shape lost more than 2%).
+VLLM_FA3_WIDE_SPLITS_MIN_SEQ = 8192
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: more than VLLM_FA3_GRAPH_MAX_REQUEST_ROWS and at most this many query rows per request
 #: (heads x query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and
@@ -364,6 +374,13 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
         return True
     rows = shape.batch_size * request_rows
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
+
+
+def vllm_fa3_wide_splits(max_seq_len: int) -> bool:
+    """Whether the ``vllm-fa3-mla`` route, under CUDA graphs, plans more KV splits than
+    vLLM's 32 for a step whose longest request holds ``max_seq_len`` tokens (as many as
+    its captured launch reserved room for)."""
+    return max_seq_len >= VLLM_FA3_WIDE_SPLITS_MIN_SEQ
 
 
 def splitk_candidate(spec: DecodeSpec) -> bool:

@@ -17,15 +17,22 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
   request's query rows), as ``ops.reference`` does.
 * scheduling: ``get_scheduler_metadata`` (a device op on the step's lengths) in ``plan``,
   copied into a persistent buffer whose tail is zeroed (vLLM: stale entries would let spare
-  thread blocks overwrite output). Under CUDA graphs the number of KV splits is capped at
-  ``GRAPH_MAX_SPLITS`` (vLLM's ``flash_attn_max_num_splits_for_cuda_graph``) so the captured
-  launch reserves its split buffers once; eager steps let the kernel choose.
+  thread blocks overwrite output). Eager steps let the kernel choose the number of KV
+  splits. Under CUDA graphs the launch's ``num_splits`` is a cap that also sizes FA3's
+  partial outputs (``[num_splits, heads, tokens, Dc]`` float32, allocated inside the
+  captured graph), so it must not change between capture and replay, while the scheduler
+  metadata, planned per step, may use any cap up to it (the kernel reads each request's
+  splits from the metadata). vLLM uses ``GRAPH_MAX_SPLITS`` for both. This route reserves
+  ``graph_split_reserve`` splits per launch (a function of the captured batch's query rows,
+  so capture and replay agree) and plans per step ``GRAPH_MAX_SPLITS`` or, for long
+  requests (``ops.policy.vllm_fa3_wide_splits``), all it reserved.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import policy
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
 from .base import (
@@ -43,7 +50,21 @@ FA3_MODULE = "vllm.vllm_flash_attn.flash_attn_interface"
 FA3_MLA_DIMS = (512, 64)
 #: vLLM's ``AttentionConfig.flash_attn_max_num_splits_for_cuda_graph`` default.
 GRAPH_MAX_SPLITS = 32
+#: KV splits a captured launch reserves room for when its batch has at most
+#: ``GRAPH_WIDE_MAX_ROWS`` query rows (heads x tokens): 64 x 1024 rows x 512 float32 is
+#: 128 MiB, what vLLM's cap of 32 reserves at 2048 rows (16 heads x 128 requests). A cap
+#: above 32 binds only in batches of few query tiles (run 97: 128 ran no faster than 64 on
+#: long requests and lost up to 10% at 5-8k tokens).
+GRAPH_WIDE_SPLITS = 64
+GRAPH_WIDE_MAX_ROWS = 1024
 FA3_PAGE_MULTIPLE = 16
+
+
+def graph_split_reserve(num_heads: int, num_tokens: int) -> int:
+    """KV splits a captured launch of ``num_tokens`` query tokens with ``num_heads`` heads
+    reserves partial outputs for (the ``num_splits`` it passes to FA3)."""
+    rows = num_heads * num_tokens
+    return GRAPH_WIDE_SPLITS if rows <= GRAPH_WIDE_MAX_ROWS else GRAPH_MAX_SPLITS
 
 
 def fa3_scheduler_metadata_size(max_batch_size: int) -> int:
@@ -94,7 +115,10 @@ class VllmFA3MLARoute(DecodeRoute):
 
         self._fa = importlib.import_module(FA3_MODULE)
         self._tables = StagedTables(max_batch_size, device)
-        self._max_splits = GRAPH_MAX_SPLITS if cuda_graph else 0
+        #: Benchmarks: one cap on FA3's KV splits for both the plan and the launch (0: the
+        #: kernel chooses, as eager steps do), instead of the rule above.
+        self.max_splits_override: int | None = None
+        self._reserved_splits = self._planned_splits = 0
         self._query_offsets = StagedQueryOffsets(max_batch_size, device)
         #: FA3's scheduler metadata at a fixed address (captured launches read it).
         self._scheduler = torch.zeros(fa3_scheduler_metadata_size(max_batch_size),
@@ -105,6 +129,7 @@ class VllmFA3MLARoute(DecodeRoute):
         b, spec = batch.batch_size, self.spec
         self._block_table, self._seq_lens = self._tables.stage(batch)
         self._cu = cu = self._query_offsets.stage(batch)
+        self._reserved_splits, self._planned_splits = self._splits(batch)
         metadata = self._fa.get_scheduler_metadata(
             batch_size=b,
             max_seqlen_q=batch.max_q_len,
@@ -118,13 +143,25 @@ class VllmFA3MLARoute(DecodeRoute):
             cu_seqlens_q=cu,
             page_size=spec.block_size,
             causal=True,
-            num_splits=self._max_splits,
+            num_splits=self._planned_splits,
         )
         n = metadata.shape[0]
         self._scheduler[:n].copy_(metadata)
         self._scheduler[n:].zero_()
         self._metadata = self._scheduler[:n]
         self._batch = batch
+
+    def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
+        """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3
+        choose."""
+        if self.max_splits_override is not None:
+            return self.max_splits_override, self.max_splits_override
+        if not self.cuda_graph:
+            return 0, 0
+        reserved = graph_split_reserve(self.spec.num_heads, batch.num_tokens)
+        if policy.vllm_fa3_wide_splits(batch.max_seq_len):
+            return reserved, reserved
+        return reserved, min(reserved, GRAPH_MAX_SPLITS)
 
     def run(
         self,
@@ -156,6 +193,6 @@ class VllmFA3MLARoute(DecodeRoute):
             out=out,
             fa_version=3,
             scheduler_metadata=self._metadata,
-            num_splits=self._max_splits,
+            num_splits=self._reserved_splits,
         )
         return out

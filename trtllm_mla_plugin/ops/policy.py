@@ -144,12 +144,13 @@ VLLM_FA3_EAGER_MIN_KV_TOKENS = 4096
 #: Under CUDA graphs vLLM caps FA3's KV splits at 32 (``GRAPH_MAX_SPLITS`` of the
 #: ``vllm-fa3-mla`` route; FA3 sizes its partial outputs by the cap when the graph is
 #: captured). Where the route reserved room for more (small batches: ``GRAPH_WIDE_SPLITS``
-#: there), steps whose longest request holds at least this many tokens
-#: plan up to that many: by FA3's split formula the cap of 32 binds only for a request
-#: holding more than about a quarter of the batch's KV, and then long requests gain while
-#: short ones, cut into one-page splits, lose (run 97, seeds 41-42, 58 shapes of at most 8
-#: query tiles: cap 64 for all ran 1.02-1.43x faster from 13k tokens on, but 0.76x at h16 b2
-#: 3.6k q3 and 0.95x at h32 b1 5.5k q3; from 8k on no shape lost more than 2%).
+#: there), steps whose longest request holds at least this many tokens plan up to that
+#: many: by FA3's split formula the cap of 32 binds only for a request holding more than
+#: about a quarter of the batch's KV, and then long requests gain while short ones, cut
+#: into one-page splits, lose (run 97, seeds 41-42, 58 shapes of at most 8 query tiles: cap
+#: 64 for all ran 1.02-1.43x faster from 13k tokens on, but 0.76x at h16 b2 3.6k q3 and
+#: 0.95x at h32 b1 5.5k q3; from 8k on no shape lost more than 2%). Checked on seeds 43-44
+#: (run 99, 64 shapes): geomean 1.025-1.035 over cap 32, worst 0.983 (h128 b1 32k).
 VLLM_FA3_WIDE_SPLITS_MIN_SEQ = 8192
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: more than VLLM_FA3_GRAPH_MAX_REQUEST_ROWS and at most this many query rows per request

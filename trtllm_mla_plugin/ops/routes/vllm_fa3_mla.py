@@ -24,7 +24,8 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
   metadata, planned per step, may use any cap up to it (the kernel reads each request's
   splits from the metadata). vLLM uses ``GRAPH_MAX_SPLITS`` for both. This route reserves
   ``graph_split_reserve`` splits per launch (a function of the captured batch's query rows,
-  so capture and replay agree) and plans per step ``GRAPH_MAX_SPLITS`` or, for long
+  so capture and replay agree: vLLM builds a replayed step's metadata for the padded batch
+  it captured) and plans per step ``GRAPH_MAX_SPLITS`` or, for long
   requests (``ops.policy.vllm_fa3_wide_splits``), all it reserved.
 """
 
@@ -53,8 +54,8 @@ GRAPH_MAX_SPLITS = 32
 #: KV splits a captured launch reserves room for when its batch has at most
 #: ``GRAPH_WIDE_MAX_ROWS`` query rows (heads x tokens): 64 x 1024 rows x 512 float32 is
 #: 128 MiB, what vLLM's cap of 32 reserves at 2048 rows (16 heads x 128 requests). A cap
-#: above 32 binds only in batches of few query tiles (run 97: 128 ran no faster than 64 on
-#: long requests and lost up to 10% at 5-8k tokens).
+#: above 32 binds only in batches of few query tiles (run 97: 128 gained at most 5% over 64
+#: on long requests and lost up to 10% at 5-8k tokens).
 GRAPH_WIDE_SPLITS = 64
 GRAPH_WIDE_MAX_ROWS = 1024
 FA3_PAGE_MULTIPLE = 16

@@ -218,6 +218,23 @@ def test_paired_ratio_by_the_core_column():
     assert by_median.ratios == pytest.approx((0.9,))
 
 
+def test_paired_ratio_by_each_engines_fastest_decile():
+    """``--core-fast``: per engine the lowest 10th percentile of its repeats' steps, as
+    tokens/s (batch 32: 3.2 ms -> 10000), not its median or its fastest median."""
+    rows = [dict(round="0", heads="16", kv="fp8", batch="32", backend=b, status="ok",
+                 core_step_quantiles_each_ms=q)
+            for b, q in (("TRTLLM_MLA", "4.0/5.0/6.0;3.2/6.0/9.0"),
+                         ("FLASHMLA", "3.6/3.7/3.8;4.0/4.5/5.0"))]
+    rows.append(dict(rows[0], backend="TRTLLM_MLA", round="1",
+                     core_step_quantiles_each_ms=""))
+    fast = summarize_engine.with_fastest_decile(rows)
+    assert fast[0][summarize_engine.FAST_COLUMN] == "10000"
+    assert fast[1][summarize_engine.FAST_COLUMN] == "8889"
+    assert summarize_engine.FAST_COLUMN not in fast[2]
+    [point] = summarize_engine.paired_points([fast], summarize_engine.FAST_COLUMN)
+    assert point.ratios == pytest.approx((3.6 / 3.2,), rel=1e-4)
+
+
 class _FakeLLM:
     """Stands in for ``vllm.LLM`` in the worker: records when it is timed and generates the
     requested number of tokens, advancing ``clock`` by 1 ms per token."""

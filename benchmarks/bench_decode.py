@@ -235,6 +235,11 @@ def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> flo
     return ms * 1e3 / reps
 
 
+def time_kernels(kernels: dict[str, Kernel], case: Case) -> dict[str, float]:
+    """Graph-timed microseconds of each of ``kernels`` that can run (``call`` not ``None``)."""
+    return {name: time_graph(k.call, case) for name, k in kernels.items() if k.call is not None}
+
+
 def route_variants(kernel: Kernel, case: Case, values: list, set_value: Callable
                    ) -> Iterator[tuple[object, float, float]]:
     """The route of ``kernel`` (a ``decoder_kernel``) under each of ``values``: per value,

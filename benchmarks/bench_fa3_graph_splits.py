@@ -77,8 +77,7 @@ def sweep(device: torch.device, seed: int, count: int, caps: list[int | str], ou
                            "vllm-fa3-mla-eager", case, "vllm-fa3-mla"),
                        "peer:vllm-fa3-mla": dk.vllm_fa3_mla_peer(case),
                        "peer:vllm-flashmla": dk.flashmla_peer(case)}
-            times = {name: bd.time_graph(k.call, case) for name, k in kernels.items()
-                     if k.call is not None}
+            times = bd.time_kernels(kernels, case)
             for cap, us, diff in bd.route_variants(route, case, caps, set_cap):
                 times[f"vllm-fa3-mla@{cap}"] = us
                 writer.writerow(dict(shape=case.name, tiles=query_tiles(shape),

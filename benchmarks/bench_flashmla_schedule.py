@@ -185,8 +185,7 @@ def overhead_sweep(device: torch.device, seed: int, count: int, overheads: list[
                 continue
             peers = {"peer:vllm-fa3-mla": dk.vllm_fa3_mla_peer(case),
                      "peer:vllm-flashmla": dk.flashmla_peer(case)}
-            times = {name: bd.time_graph(k.call, case) for name, k in peers.items()
-                     if k.call is not None}
+            times = bd.time_kernels(peers, case)
             r, b = route.obj.route, case.batch.batch_size
             for o, us, diff in bd.route_variants(route, case, overheads, set_overhead):
                 extra = int(r._schedule.buffers[1][-1]) - b

@@ -195,7 +195,8 @@ def main(*argv: str) -> None:
     files = []
     for path in args:
         with open(path, newline="") as f:
-            files.append(with_fastest_decile(list(csv.DictReader(f))))
+            rows = list(csv.DictReader(f))
+        files.append(with_fastest_decile(rows) if column == FAST_COLUMN else rows)
     points = paired_points(files, column)
     print_table(points)
     if dst is not None:

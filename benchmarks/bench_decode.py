@@ -249,7 +249,7 @@ def route_variants(kernel: Kernel, case: Case, values: list, set_value: Callable
     route, first = kernel.obj.route, None
     for value in values:
         set_value(route, value)
-        route.plan(case.batch)
+        route.plan(case.batch_for(route.cuda_graph))
         result = kernel.call(case.caches[0]).float()
         first = result if first is None else first
         diff = ((result - first).norm() / first.norm()).item()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import random
 from pathlib import Path
 
 import bench_decode as bd
@@ -53,17 +54,77 @@ def query_tiles(shape: tuple) -> int:
     return batch * math.ceil(heads * q_len / FA3_TILE_ROWS)
 
 
-def set_cap(route, cap: int | str) -> None:
+def short_grid() -> list[tuple]:
+    """Uniform and ragged batches of requests of at most 2k tokens whose FA3 work (query
+    tiles x 64-token KV tiles) is 24-150 tiles: at vLLM's cap FA3 splits them into one-KV-tile
+    pieces up to 120 tiles (its ``prepare_varlen_num_blocks``: ``ceil(1.1 x tiles / SMs)``
+    KV tiles per split), and these are the shapes where its eager heuristic's two-tile
+    pieces ran faster or slower (runs 97, 99)."""
+    shapes = []
+    for heads in (8, 16, 32, 64, 128):
+        for q_len in (1, 2, 4):
+            tiles = math.ceil(heads * q_len / FA3_TILE_ROWS)
+            for ctx in (320, 704, 1216, 1920):
+                kv_tiles = math.ceil(ctx / 64)
+                sizes = sorted({max(1, round(work / (tiles * kv_tiles)))
+                                for work in (24, 48, 72, 96, 120, 150)})
+                for b in sizes:
+                    if b <= 32 and 16 <= b * tiles * kv_tiles <= 160:
+                        kind = "u" if (heads + q_len + b) % 3 else "r0.5"
+                        shapes.append((heads, b, ctx, kind, q_len, bd.BF, 64))
+    return shapes
+
+
+def short_random(seed: int, count: int) -> list[tuple[int, tuple]]:
+    """``(case seed, shape)`` of ``count`` seeded random batches in ``short_grid``'s region
+    (any heads of 8-128, 1-4 query tokens, 256-2048 tokens, uniform or ragged, 40-130 work
+    tiles as if every request were the longest): shapes off that grid, for checking a rule
+    fitted on it."""
+    rng = random.Random(seed)
+    shapes: list[tuple[int, tuple]] = []
+    while len(shapes) < count:
+        heads, q_len = rng.choice((8, 16, 32, 64, 128)), rng.randint(1, 4)
+        ctx, kind = rng.randint(256, 2048), rng.choice(("u", "r0.2", "r0.5", "r0.8"))
+        per_request = math.ceil(heads * q_len / FA3_TILE_ROWS) * math.ceil(ctx / 64)
+        b = max(1, round(rng.uniform(40, 130) / per_request))
+        if b <= 32:
+            shape = (heads, b, ctx, kind, q_len, bd.BF, 64)
+            shapes.append((1000 * seed + len(shapes), shape))
+    return shapes
+
+
+def set_cap(route, cap: int | str, case: bd.Case) -> None:
     """The ``vllm-fa3-mla`` route's cap on FA3's KV splits for its plan and run (``"rule"``:
-    its own)."""
-    route.max_splits_override = None if cap == "rule" else cap
+    its own; ``"/K"``: the plan's cap ``ceil(KV tiles of the longest request / K)``, the
+    launch the rule's reserve)."""
+    route.max_splits_override = None if cap == "rule" or str(cap)[0] == "/" else cap
+    # At least 2: a plan of one split leaves out the per-request split counts that a launch
+    # reserving more expects (FA3: "scheduler_metadata must have shape").
+    route.planned_splits_override = (
+        max(2, math.ceil(math.ceil(case.batch.max_seq_len / 64) / int(cap[1:])))
+        if str(cap)[0] == "/" else None)
 
 
-def sweep(device: torch.device, seed: int, count: int, caps: list[int | str], out: Path
-          ) -> None:
-    shapes = [(11, s) for s in FIXED] + [
-        (case_seed, s) for case_seed, s in bd.random_set(seed, count, keep=bd.BF)
-        if query_tiles(s) <= MAX_TILES]
+def fa3_work_tiles(shape: tuple) -> int:
+    """Query tiles x 64-token KV tiles of ``shape`` as if every request were the longest."""
+    return query_tiles(shape) * math.ceil(shape[2] / 64)
+
+
+def sweep(device: torch.device, seeds: list[int], count: int, caps: list[int | str],
+          out: Path, grid: str = "random", skip: int = 0) -> None:
+    if grid == "short":
+        shapes = [(900 + i, s) for i, s in enumerate(short_grid())][skip:]
+    elif grid == "short-random":
+        shapes = [x for seed in seeds for x in short_random(seed, count)]
+    elif grid == "window":
+        shapes = [(case_seed, s) for seed in seeds
+                  for case_seed, s in bd.random_set(seed, count, keep=bd.BF)
+                  if s[1] <= 32 and 16 <= fa3_work_tiles(s) <= 160]
+    else:
+        shapes = [(11, s) for s in FIXED] + [
+            (case_seed, s) for seed in seeds
+            for case_seed, s in bd.random_set(seed, count, keep=bd.BF)
+            if query_tiles(s) <= MAX_TILES]
     gains: dict[int | str, list[float]] = {cap: [] for cap in caps}
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -74,15 +135,21 @@ def sweep(device: torch.device, seed: int, count: int, caps: list[int | str], ou
             if route.call is None:
                 continue
             kernels = {"vllm-fa3-mla-eager": dk.decoder_kernel(
-                           "vllm-fa3-mla-eager", case, "vllm-fa3-mla"),
-                       "peer:vllm-fa3-mla": dk.vllm_fa3_mla_peer(case),
-                       "peer:vllm-flashmla": dk.flashmla_peer(case)}
+                           "vllm-fa3-mla-eager", case, "vllm-fa3-mla")}
+            if grid != "short":
+                kernels |= {"peer:vllm-fa3-mla": dk.vllm_fa3_mla_peer(case),
+                            "peer:vllm-flashmla": dk.flashmla_peer(case)}
             times = bd.time_kernels(kernels, case)
-            for cap, us, diff in bd.route_variants(route, case, caps, set_cap):
-                times[f"vllm-fa3-mla@{cap}"] = us
-                writer.writerow(dict(shape=case.name, tiles=query_tiles(shape),
-                                     kernel=f"vllm-fa3-mla@{cap}", us=f"{us:.2f}",
-                                     rel_diff=f"{diff:.1e}"))
+            try:
+                for cap, us, diff in bd.route_variants(
+                        route, case, caps, lambda r, c, case=case: set_cap(r, c, case)):
+                    times[f"vllm-fa3-mla@{cap}"] = us
+                    writer.writerow(dict(shape=case.name, tiles=query_tiles(shape),
+                                         kernel=f"vllm-fa3-mla@{cap}", us=f"{us:.2f}",
+                                         rel_diff=f"{diff:.1e}"))
+            except RuntimeError as error:
+                print(f"{case.name}: failed at cap {cap}: {error}", flush=True)
+                continue
             bd.write_peer_rows(writer, case.name, list(kernels), times,
                                tiles=query_tiles(shape))
             f.flush()
@@ -98,15 +165,24 @@ def sweep(device: torch.device, seed: int, count: int, caps: list[int | str], ou
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=41)
+    parser.add_argument("--seed", default="41", help="random set seeds, comma-separated")
     parser.add_argument("--count", type=int, default=120)
     parser.add_argument("--caps", default="32,64,128,rule",
-                        help="caps on FA3's KV splits (rule: the route's own); the first is "
-                        "the one the others' outputs and times are compared with")
+                        help="caps on FA3's KV splits (rule: the route's own; /K: the plan "
+                        "cut to the longest request's KV tiles / K); the first is the one "
+                        "the others' outputs and times are compared with")
+    parser.add_argument("--grid", choices=("random", "short", "short-random", "window"),
+                        default="random",
+                        help="random: FIXED and the shapes of at most MAX_TILES query tiles "
+                        "of the random sets; short: short_grid(); short-random: --count "
+                        "shapes of short_random() per seed; window: the random sets' "
+                        "shapes of <= 32 requests and 16-160 FA3 work tiles")
+    parser.add_argument("--skip", type=int, default=0, help="short: start at this shape")
     parser.add_argument("--out", type=Path, default=Path("fa3-graph-splits.csv"))
     args = parser.parse_args()
-    sweep(torch.device("cuda"), args.seed, args.count,
-          [c if c == "rule" else int(c) for c in args.caps.split(",")], args.out)
+    sweep(torch.device("cuda"), [int(x) for x in args.seed.split(",")], args.count,
+          [c if c == "rule" or c[0] == "/" else int(c) for c in args.caps.split(",")],
+          args.out, args.grid, args.skip)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,15 @@ class Case:
     q_len: int
     info: dict = field(default_factory=dict)
 
+    def batch_for(self, cuda_graph: bool) -> DecodeBatch:
+        """The batch as vLLM's builder plans it: under CUDA graphs with the exact host
+        lengths (vLLM's ``seq_lens_cpu_upper_bound``, exact outside asynchronous
+        speculation), which there only the ``vllm-fa3-mla`` split rule reads."""
+        if not cuda_graph or self.batch.cu_seqlens_q is not None:
+            return self.batch
+        return replace(self.batch, seq_lens_host=torch.tensor(self.lens_host,
+                                                              dtype=torch.int32))
+
 
 @dataclass
 class Kernel:
@@ -78,7 +87,7 @@ def decoder_kernel(
             return Kernel(name, absent=f"not eligible: {reason}")
     dec = MLADecoder(spec, device, case.batch.batch_size, route=route, cuda_graph=cuda_graph)
     dec.sort_override = sort
-    dec.plan(case.batch)
+    dec.plan(case.batch_for(cuda_graph))
     out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
                       dtype=dec.output_dtype, device=device)
     own = engine_query and dec.route.own_output

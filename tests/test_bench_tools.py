@@ -572,6 +572,8 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
             return 132 // -(-rows // 64)
 
     class Route:
+        cuda_graph = False
+
         def __init__(self):
             self.planned, self._schedule = [], Schedule()
 
@@ -582,6 +584,7 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
     case = types.SimpleNamespace(name="h16 b4", batch=types.SimpleNamespace(batch_size=4),
                                  caches=[0], q_len=1, lens_host=[9, 70, 1, 3000],
                                  spec=types.SimpleNamespace(num_heads=16))
+    case.batch_for = lambda cuda_graph: case.batch
     kernel = types.SimpleNamespace(
         call=lambda cache: torch.full((2,), 1.0 + 0.01 * (route._schedule.overhead_blocks != 5)),
         obj=types.SimpleNamespace(route=route))
@@ -673,11 +676,13 @@ def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, 
 
     def make_case(shape, seed, device):
         made.append(shape)
-        return type("C", (), {"name": f"b{shape[1]}", "caches": [0], "batch": "batch"})()
+        return type("C", (), {"name": f"b{shape[1]}", "caches": [0], "batch": "batch",
+                              "batch_for": lambda self, graph: "batch"})()
 
     class Route:
         max_splits_override = None
         planned = None
+        cuda_graph = True
 
         def plan(self, batch):
             self.planned = self.max_splits_override or 64  # None: the route's rule
@@ -707,7 +712,7 @@ def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, 
     monkeypatch.setattr(decode_kernels, "vllm_fa3_mla_peer", peer)
     monkeypatch.setattr(decode_kernels, "flashmla_peer", peer)
     out = tmp_path / "s.csv"
-    sweep_bench.sweep("cpu", 5, 2, [32, 128, "rule"], out)
+    sweep_bench.sweep("cpu", [5], 2, [32, 128, "rule"], out)
     assert made == [small]
     # The peers, then each cap as planned; "rule" hands the choice back to the route.
     assert timed == [1.0, 1.0, 1.0, 32.0, 128.0, 64.0]

@@ -176,7 +176,8 @@ def test_graph_launch_reserves_splits_by_rows_alone(fake, heads, q_len, batch):
     """Under CUDA graphs the launch's ``num_splits`` (the size of FA3's partial outputs in
     the captured graph) depends on the batch's query rows only, so replays of any lengths
     match the capture; the plan never asks for more splits than that, and more than vLLM's
-    32 only for long requests on batches of at most ``GRAPH_WIDE_MAX_ROWS`` rows."""
+    32 only for long requests on batches of at most ``GRAPH_WIDE_MAX_ROWS`` rows whose query
+    tiles hold at most 32 rows (16 heads here; 64 and 128 heads fill whole 64-row tiles)."""
     route = VllmFA3MLARoute(spec(heads=heads, max_q_len=q_len), torch.device("cpu"),
                             max_batch_size=128, cuda_graph=True)
     small = heads * q_len * batch <= GRAPH_WIDE_MAX_ROWS
@@ -186,10 +187,75 @@ def test_graph_launch_reserves_splits_by_rows_alone(fake, heads, q_len, batch):
         lens = [longest] + [64] * (batch - 1)
         planned, launched = planned_and_launched(route, fake, lens, q_len)
         seen.add(launched)
-        wide = longest >= 8192 and small
+        wide = longest >= 8192 and small and heads * q_len <= 32
         assert planned == (GRAPH_WIDE_SPLITS if wide else GRAPH_MAX_SPLITS), longest
         assert planned <= launched
     assert seen == {reserved}
+
+
+def host_lens_batch(lens, uniform_q=1, kv_tokens=False, host=True) -> DecodeBatch:
+    """``batch_of`` with the host's exact lengths (vLLM's builder under CUDA graphs), or only
+    their sum (``kv_tokens``), or neither."""
+    from dataclasses import replace
+
+    b = batch_of(lens, uniform_q=uniform_q, width=max(lens) // 64 + 1)
+    return replace(b, seq_lens_host=b.seq_lens.clone() if host else None,
+                   kv_tokens=sum(lens) if kv_tokens else None)
+
+
+@pytest.mark.parametrize("heads,q_len,lens,planned", [
+    # 2 query tiles x 2 requests x 30 KV tiles = 120 work tiles: FA3 would cut each request
+    # into 30 one-tile splits; at full 64-row tiles from 72 work tiles the plan halves that.
+    (64, 2, [1920] * 2, 15),
+    (64, 2, [1920] * 3, 32),  # 180 tiles: FA3's own formula already puts 2 tiles a split
+    (16, 1, [1920] * 4, 15),  # 16-row tiles: 120 >= 72 x 4 ** 0.25 = 101.8
+    (16, 1, [1920] * 3, 32),  # 90 < 101.8
+    (8, 1, [1920] * 4, 32),  # 8-row tiles never
+    (64, 2, [320] * 10, 32),  # 100 tiles, but 5 KV tiles a request (cut 2 + 2 + 1)
+    (64, 1, [512] * 8, 32),  # 64 < 72
+    (64, 1, [512] * 9, 4),  # 72: half of 8 KV tiles
+    (64, 1, [1920] + [128] * 40, 15),  # ragged: 30 + 40 x 2 = 110 tiles
+])
+def test_graph_plan_halves_one_tile_splits_of_busy_short_batches(fake, heads, q_len, lens,
+                                                                 planned):
+    route = VllmFA3MLARoute(spec(heads=heads, max_q_len=q_len), torch.device("cpu"),
+                            max_batch_size=64, cuda_graph=True)
+    route.plan(host_lens_batch(lens, q_len))
+    reserved = GRAPH_WIDE_SPLITS if heads * q_len * len(lens) <= GRAPH_WIDE_MAX_ROWS else 32
+    assert (route._planned_splits, route._reserved_splits) == (planned, reserved)
+    assert fake.schedules[-1]["num_splits"] == planned
+
+
+def test_halving_counts_work_from_what_the_host_knows(fake):
+    """Exact host lengths first; else ``kv_tokens`` with each request's last KV tile half
+    full; without either, no halving (even where every request could be the longest)."""
+    route = VllmFA3MLARoute(spec(heads=64), torch.device("cpu"), 64, cuda_graph=True)
+    lens = [1920] + [128] * 40  # exact: 110 work tiles
+    route.plan(host_lens_batch(lens))
+    assert route._planned_splits == 15
+    route.plan(host_lens_batch(lens, kv_tokens=True, host=False))  # 7040 / 64 + 20.5: 130
+    assert route._planned_splits == 32
+    route.plan(host_lens_batch([1920] * 4, host=False))  # 120 tiles, unknown to the host
+    assert route._planned_splits == 32
+    route.plan(host_lens_batch([1216] * 2 + [64], kv_tokens=True, host=False))  # 39 + 1.5: 40
+    assert route._planned_splits == 32
+    route.plan(host_lens_batch([1216] * 4, kv_tokens=True, host=False))  # 76 + 2: 78
+    assert route._planned_splits == 10
+
+
+def test_halving_scales_with_the_gpus_sms(fake):
+    """FA3 spreads work over the GPU's SMs (78 on an H20): both bounds of the rule scale."""
+    route = VllmFA3MLARoute(spec(heads=64, max_q_len=2), torch.device("cpu"), 8,
+                            cuda_graph=True)
+    route._sms = 78
+    route.plan(host_lens_batch([1920] * 2, 2))  # 120 x 1.1 > 78: FA3 splits by 2 itself
+    assert route._planned_splits == 32
+    route = VllmFA3MLARoute(spec(heads=64), torch.device("cpu"), 8, cuda_graph=True)
+    route._sms = 78
+    route.plan(host_lens_batch([1216] * 2))  # 38 < 72 x 78 / 132 = 42.5
+    assert route._planned_splits == 32
+    route.plan(host_lens_batch([1216] * 3))  # 57, and 57 x 1.1 <= 78
+    assert route._planned_splits == 10
 
 
 def test_eager_steps_and_overrides_leave_the_splits_to_one_value(fake):

@@ -10,6 +10,8 @@ keeps them), which routes then read directly instead of staging copies.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -153,8 +155,9 @@ def test_policy_decoder_replays_its_batch_size_route(heads: int, batch: int,
 
 # (heads, q_len, steps of seq_lens): the vllm-fa3-mla route's launch reserves room for 64 KV
 # splits at up to 1024 query rows (32 above) and plans more than vLLM's 32 only for long
-# requests; captured on short requests, replays of long ones must still fit what the
-# capture reserved. h128 b9 is 1152 rows: 32 reserved, long requests planned at 32.
+# requests with query tiles of at most 32 rows; captured on short requests, replays of long
+# ones must still fit what the capture reserved. h64 q4 fills 64-row tiles: 64 reserved, 32
+# planned. h128 b9 is 1152 rows: 32 reserved, long requests planned at 32.
 WIDE_SPLIT_CASES = [
     (16, 1, [[300, 64], [43_000, 9000], [20_000, 20_000], [5000, 100], [64, 64]]),
     (64, 4, [[500, 40, 8], [30_000, 2000, 64], [12_000, 12_000, 12_000]]),
@@ -202,4 +205,66 @@ def test_vllm_fa3_graph_replays_long_requests_with_wide_splits(heads, q_len, sch
               f"reserved={reserved} planned={planned[-1]} rel={rel:.2e} max={worst:.2e}")
         rel_bound, max_bound = bounds(p)
         assert rel < rel_bound and worst < max_bound, (rel, worst)
-    assert max(planned) == (64 if heads * q_len * len(schedule[0]) <= 1024 else 32)
+    # 64 where the launch reserved it and the query tiles hold <= 32 rows (16 heads).
+    assert max(planned) == (64 if heads * q_len * len(schedule[0]) <= 1024
+                            and heads * q_len <= 32 else 32)
+
+
+# (heads, q_len, steps of seq_lens, the cap each replayed step plans): for short requests
+# that FA3 would cut into one-KV-tile splits, the route plans half the longest request's KV
+# tiles from enough work (``policy.vllm_fa3_halved_splits``, on the host's exact lengths as
+# vLLM's builder passes them under CUDA graphs); captured on other lengths, replays of
+# halved and unhalved steps must both match float64.
+HALVED_SPLIT_CASES = [
+    (64, 2, [[300, 300], [1920, 1920], [1920, 100], [1216, 1216]], [15, 32, 10]),
+    (16, 1, [[64] * 4, [1920] * 4, [1216, 1216, 1920, 1800], [1920, 1900, 1850, 1800]],
+     [15, 32, 15]),
+    (64, 1, [[100] * 9, [512] * 9, [1920] + [128] * 8], [4, 32]),
+]
+
+
+@pytest.mark.parametrize("heads,q_len,schedule,expected", HALVED_SPLIT_CASES,
+                         ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s, _ in HALVED_SPLIT_CASES])
+def test_vllm_fa3_graph_replays_halved_splits(heads, q_len, schedule, expected):
+    device = torch.device("cuda")
+    width = max(max(lens) for lens in schedule) // 64 + 1
+    steps = [make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
+                          dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=device,
+                          width=width, spec_q_len=q_len)
+             for lens in schedule]
+    first = steps[0]
+    if (reason := route_skip_reason("vllm-fa3-mla", first.spec, device)) is not None:
+        pytest.skip(reason)
+    decoder = MLADecoder(first.spec, device, max_batch_size=16, route="vllm-fa3-mla",
+                         cuda_graph=True)
+    num_blocks = max(p.kv_cache.shape[0] for p in steps)
+    cache = torch.empty(num_blocks, 64, 576, dtype=torch.bfloat16, device=device)
+    cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
+    query = first.query.clone()
+    out = torch.empty(query.shape[0], heads, 512, dtype=torch.bfloat16, device=device)
+    fixed = in_fixed_buffers(first.batch)
+
+    def engine_batch(batch):
+        return replace(fixed(batch), seq_lens_host=batch.seq_lens.cpu())
+
+    decoder.plan(engine_batch(first.batch))
+    reserved = decoder.route._reserved_splits
+    graph = capture_decode(decoder, query, cache, out)
+    planned = []
+    for p in steps[1:]:
+        cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)
+        p.kv_cache = cache
+        decoder.plan(engine_batch(p.batch))
+        assert decoder.route._reserved_splits == reserved
+        planned.append(decoder.route._planned_splits)
+        query.copy_(p.query)
+        p.query = query
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        rel, worst = errors(out, reference(p, "vllm-fa3-mla"))
+        print(f"[halved splits h{heads} q{q_len} {p.batch.seq_lens.tolist()}] "
+              f"reserved={reserved} planned={planned[-1]} rel={rel:.2e} max={worst:.2e}")
+        rel_bound, max_bound = bounds(p)
+        assert rel < rel_bound and worst < max_bound, (rel, worst)
+    assert planned == expected

@@ -152,6 +152,33 @@ VLLM_FA3_EAGER_MIN_KV_TOKENS = 4096
 #: 0.95x at h32 b1 5.5k q3; from 8k on no shape lost more than 2%). Checked on seeds 43-44
 #: (run 99, 64 shapes): geomean 1.025-1.035 over cap 32, worst 0.983 (h128 b1 32k).
 VLLM_FA3_WIDE_SPLITS_MIN_SEQ = 8192
+#: ... and only for query tiles of at most this many rows (heads x query tokens per 64-row
+#: tile): each split writes ``rows x 512`` float32 partial outputs, and at 48-64 rows more
+#: splits gained nothing (runs 97, 99: 8 shapes, 0.981-1.066, geomean 1.00) or lost (fresh
+#: seeds 63-70, run 107-108: h16 b2 14k q4 0.90, h64 b2 19.5k 0.93, h64 b2 48k q2 0.955),
+#: while at 8-32 rows they gained 1.04-1.11 on geomean, up to 1.43x.
+VLLM_FA3_WIDE_SPLITS_MAX_TILE_ROWS = 32
+#: FA3's KV tile for MLA on SM90 (kBlockN of ``tile_size_fwd_sm90`` at headdim_v 512), tokens.
+FA3_KV_TILE = 64
+#: FA3's split formula (``prepare_varlen_num_blocks`` in ``flash_prepare_scheduler.cu``) puts
+#: ``ceil(1.1 x work / SMs)`` KV tiles in a split, where work is query tiles x KV tiles summed
+#: over the batch: while ``1.1 x work`` fits the SMs, every request is cut into one-KV-tile
+#: splits. Each split writes ``rows x 512`` float32 partial outputs (128 KiB for a full
+#: 64-row query tile, 1.7x the 74 KiB of KV it read) that the combine reads back. Under CUDA
+#: graphs the ``vllm-fa3-mla`` route plans two-KV-tile splits instead (a cap of half the
+#: longest request's KV tiles) from this much work per 132 SMs at full query tiles, scaled by
+#: ``(64 / rows per tile) ** 0.25`` for fewer rows per tile (run 102: 291 batches of 8-128
+#: heads, 1-4 query tokens, 0.3-2k tokens and 16-160 work tiles: 56 switched, geomean 1.022
+#: over the grid, up to 1.37x (h128 b2 1920), none slower; checked on the 53 shapes of seeds
+#: 45-52 in that range (run 103, not fitted on): six switched, 1.001-1.075x, none slower).
+#: Below it one-tile splits ran up to 9% faster (fewer rows per tile, fewer requests); so
+#: they did at 8 rows per tile (8 heads, one token) at every work tested (0.89-1.00x), and
+#: where the longest request held 5 KV tiles (320 tokens, cut 2 + 2 + 1: 0.95-0.99x; the grid
+#: had 5, 11, 19 and 30).
+VLLM_FA3_HALVED_SPLITS_MIN_WORK = 72
+VLLM_FA3_HALVED_SPLITS_MIN_TILE_ROWS = 16
+VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES = 8
+FA3_SPLIT_MARGIN = 1.1
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: more than VLLM_FA3_GRAPH_MAX_REQUEST_ROWS and at most this many query rows per request
 #: (heads x query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and
@@ -377,11 +404,34 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
 
 
-def vllm_fa3_wide_splits(max_seq_len: int) -> bool:
+def query_tile_rows(spec: DecodeSpec, max_q_len: int) -> float:
+    """Query rows (heads x query tokens) per 64-row query tile, on average over a request's
+    tiles."""
+    return spec.num_heads * max_q_len / query_tiles(spec, max_q_len)
+
+
+def vllm_fa3_wide_splits(spec: DecodeSpec, max_q_len: int, max_seq_len: int) -> bool:
     """Whether the ``vllm-fa3-mla`` route, under CUDA graphs, plans more KV splits than
     vLLM's 32 for a step whose longest request holds ``max_seq_len`` tokens (as many as
     its captured launch reserved room for)."""
-    return max_seq_len >= VLLM_FA3_WIDE_SPLITS_MIN_SEQ
+    return (max_seq_len >= VLLM_FA3_WIDE_SPLITS_MIN_SEQ
+            and query_tile_rows(spec, max_q_len) <= VLLM_FA3_WIDE_SPLITS_MAX_TILE_ROWS)
+
+
+def vllm_fa3_halved_splits(spec: DecodeSpec, max_q_len: int, max_seq_len: int,
+                           work_tiles: int, sms: int = HOPPER_SMS) -> bool:
+    """Whether the ``vllm-fa3-mla`` route, under CUDA graphs, plans splits of two KV tiles
+    for a step of ``work_tiles`` FA3 work tiles (query tiles x 64-token KV tiles, summed over
+    the requests) where FA3's own formula would cut every request into one-tile splits."""
+    if work_tiles * FA3_SPLIT_MARGIN > sms:
+        return False
+    if max_seq_len < (VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES - 1) * FA3_KV_TILE + 1:
+        return False
+    rows_per_tile = query_tile_rows(spec, max_q_len)
+    if rows_per_tile < VLLM_FA3_HALVED_SPLITS_MIN_TILE_ROWS:
+        return False
+    least = VLLM_FA3_HALVED_SPLITS_MIN_WORK * sms / HOPPER_SMS * (64 / rows_per_tile) ** 0.25
+    return work_tiles >= least
 
 
 def splitk_candidate(spec: DecodeSpec) -> bool:

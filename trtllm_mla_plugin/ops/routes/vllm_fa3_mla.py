@@ -26,7 +26,13 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
   ``graph_split_reserve`` splits per launch (a function of the captured batch's query rows,
   so capture and replay agree: vLLM builds a replayed step's metadata for the padded batch
   it captured) and plans per step ``GRAPH_MAX_SPLITS`` or, for long
-  requests (``ops.policy.vllm_fa3_wide_splits``), all it reserved.
+  requests with query tiles of at most 32 rows (``ops.policy.vllm_fa3_wide_splits``), all
+  it reserved; for batches of short
+  requests that FA3 would cut into one-KV-tile splits, half the longest request's KV tiles
+  (``ops.policy.vllm_fa3_halved_splits``: two tiles per split), counted on the host's
+  lengths (vLLM's builder passes them outside asynchronous speculation). A planned cap stays >= 2:
+  with one split FA3's metadata leaves out the per-request split counts that a launch of
+  more splits reads ("scheduler_metadata must have shape").
 """
 
 from __future__ import annotations
@@ -74,6 +80,20 @@ def fa3_scheduler_metadata_size(max_batch_size: int) -> int:
     return 1 + round_up(max_batch_size, 4) * 4
 
 
+def fa3_work_tiles(batch: DecodeBatch, query_tiles: int) -> int | None:
+    """FA3's work tiles for ``batch`` (query tiles per request x 64-token KV tiles, summed),
+    from the host's exact lengths when the batch has them, else from ``kv_tokens`` (each
+    request's last KV tile counted as half full); ``None`` without either."""
+    tile = policy.FA3_KV_TILE
+    if batch.seq_lens_host is not None:
+        kv_tiles = int(((batch.seq_lens_host.to(torch.int64) + tile - 1) // tile).sum())
+    elif batch.kv_tokens is not None:
+        kv_tiles = round(batch.kv_tokens / tile + batch.batch_size / 2)
+    else:
+        return None
+    return query_tiles * kv_tiles
+
+
 class VllmFA3MLARoute(DecodeRoute):
     name = "vllm-fa3-mla"
     kernel = "FlashAttention-3 MLA (vLLM bundle) flash_attn_varlen_func"
@@ -119,12 +139,17 @@ class VllmFA3MLARoute(DecodeRoute):
         #: Benchmarks: one cap on FA3's KV splits for both the plan and the launch (0: the
         #: kernel chooses, as eager steps do), instead of the rule above.
         self.max_splits_override: int | None = None
+        #: Benchmarks: the plan's cap alone, bounded by what the launch reserves.
+        self.planned_splits_override: int | None = None
         self._reserved_splits = self._planned_splits = 0
         self._query_offsets = StagedQueryOffsets(max_batch_size, device)
         #: FA3's scheduler metadata at a fixed address (captured launches read it).
         self._scheduler = torch.zeros(fa3_scheduler_metadata_size(max_batch_size),
                                       dtype=torch.int32, device=device)
         self._batch: DecodeBatch | None = None
+        #: SMs FA3 spreads its work over (its split formula's ``num_sm``).
+        self._sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                     if device.type == "cuda" else policy.HOPPER_SMS)
 
     def plan(self, batch: DecodeBatch) -> None:
         b, spec = batch.batch_size, self.spec
@@ -160,9 +185,22 @@ class VllmFA3MLARoute(DecodeRoute):
         if not self.cuda_graph:
             return 0, 0
         reserved = graph_split_reserve(self.spec.num_heads, batch.num_tokens)
-        if policy.vllm_fa3_wide_splits(batch.max_seq_len):
+        if self.planned_splits_override is not None:
+            return reserved, min(reserved, self.planned_splits_override)
+        if policy.vllm_fa3_wide_splits(self.spec, batch.max_q_len, batch.max_seq_len):
             return reserved, reserved
-        return reserved, min(reserved, GRAPH_MAX_SPLITS)
+        planned = min(reserved, GRAPH_MAX_SPLITS)
+        tiles = policy.query_tiles(self.spec, batch.max_q_len)
+        longest = -(-batch.max_seq_len // policy.FA3_KV_TILE)
+        # Every other request holds at least one KV tile: most batches are ruled out here,
+        # before the host lengths are counted.
+        if tiles * (longest + batch.batch_size - 1) * policy.FA3_SPLIT_MARGIN > self._sms:
+            return reserved, planned
+        work = fa3_work_tiles(batch, tiles)
+        if work is not None and policy.vllm_fa3_halved_splits(
+                self.spec, batch.max_q_len, batch.max_seq_len, work, self._sms):
+            planned = min(planned, max(2, -(-longest // 2)))
+        return reserved, planned
 
     def run(
         self,

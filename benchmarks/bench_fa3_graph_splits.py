@@ -1,26 +1,31 @@
 """vLLM's FA3 MLA kernel under CUDA graphs at other caps on its KV splits (needs CUDA and
 the kit's vLLM).
 
-``python3 benchmarks/bench_fa3_graph_splits.py [--seed S] [--count N]
-[--caps 32,64,128,rule] --out F.csv`` times the ``vllm-fa3-mla`` route set up for CUDA
-graphs (the graph rule's route for batches of up to 32 requests) with its cap on FA3's KV
-splits (``num_splits``, vLLM's ``flash_attn_max_num_splits_for_cuda_graph``, 32) set to
-each of ``--caps`` (``rule``: the route's own choice, ``graph_split_reserve`` and
-``ops.policy.vllm_fa3_wide_splits``), beside
-the route as an eager decoder runs it (FA3's own bound, up to 128), vLLM's FLASH_ATTN_MLA
-call (``peer:vllm-fa3-mla``, cap 32) and FLASHMLA's call, all graph-timed. Shapes: fixed
-long and short contexts at b1-b4, and the bf16 shapes of random set ``--seed`` whose batch
-holds at most ``MAX_TILES`` FA3 query tiles (64 query rows each): only there can a request
-want more than 32 splits. Writes ``--out`` (CSV: shape, tiles, kernel, us, difference to the
-cap-32 output) and prints, per cap, the geometric mean and range of the cap-32 time over
-that cap's.
+``python3 benchmarks/bench_fa3_graph_splits.py [--grid random|short|short-random|window]
+[--seed S[,S...]] [--count N] [--caps 32,64,128,rule,/2] --out F.csv`` times the
+``vllm-fa3-mla`` route set up for CUDA graphs (the graph rule's route for batches of up to 32
+requests) with its cap on FA3's KV splits (``num_splits``, vLLM's
+``flash_attn_max_num_splits_for_cuda_graph``, 32) set to each of ``--caps`` (``rule``: the
+route's own choice, ``graph_split_reserve``, ``ops.policy.vllm_fa3_wide_splits`` and
+``ops.policy.vllm_fa3_halved_splits``; ``/K``: the plan cut to the longest request's KV
+tiles / K, the launch keeping the rule's reserve), beside the route as an eager decoder runs
+it (FA3's own bound, up to 128) and, except on ``short``, vLLM's FLASH_ATTN_MLA call
+(``peer:vllm-fa3-mla``, cap 32) and FLASHMLA's call, all graph-timed. The route plans on the
+host's exact lengths, as vLLM's builder hands them over under CUDA graphs. Shapes
+(``--grid``): ``random``, fixed long and short contexts at b1-b4 and the bf16 shapes of the
+random sets whose batch holds at most ``MAX_TILES`` FA3 query tiles (only there can a
+request want more than 32 splits); ``short``, ``short_grid()`` (batches of short requests
+that FA3 cuts into one-KV-tile splits); ``short-random``, seeded draws in that region;
+``window``, the random sets' shapes of at most 32 requests and 16-160 work tiles. Writes
+``--out`` (CSV: shape, tiles, kernel, us, difference to the first cap's output) and prints,
+per cap, the geometric mean and range of the first cap's time over that cap's.
 
 Why: in runs 80 and 85 the eager route (uncapped) beat the capped one by 1.06-1.42x on
 b1-b3 batches of 12k-43k tokens (h16 b1 43k: 43.5 -> 30.6 us) and lost up to 21% on some
-short ones, so the cap is a lever at small batches only, and short contexts must not lose.
-FA3 sizes its partial outputs by the cap (``cap x query rows x 512`` floats per call, in
-the captured graph's memory): at most ``MAX_TILES x 64`` rows here, so a cap of 128 costs
-at most what cap 32 costs at 2048 rows.
+short ones, so the cap is a lever at small batches; and in runs 97 and 99 the eager route's
+splits of two KV tiles beat vLLM's one-tile splits by 1.10-1.24x on some batches of short
+requests (h64 b3 1.2k q2). FA3 sizes its partial outputs by the launch's cap (``cap x query
+rows x 512`` floats per call, in the captured graph's memory).
 """
 
 from __future__ import annotations

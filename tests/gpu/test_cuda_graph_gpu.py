@@ -165,9 +165,12 @@ WIDE_SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads,q_len,schedule", WIDE_SPLIT_CASES,
-                         ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s in WIDE_SPLIT_CASES])
-def test_vllm_fa3_graph_replays_long_requests_with_wide_splits(heads, q_len, schedule):
+def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]],
+                                label: str, host_lengths: bool) -> list[int]:
+    """Captures the ``vllm-fa3-mla`` route under CUDA graphs on ``schedule[0]``, replays the
+    other steps (each checked against float64, the launch's reserve unchanged) and returns
+    the cap each step planned; skips where the route cannot run. ``host_lengths``: the batch
+    carries the host's exact lengths, as vLLM's builder passes them."""
     device = torch.device("cuda")
     width = max(max(lens) for lens in schedule) // 64 + 1
     steps = [make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
@@ -184,7 +187,12 @@ def test_vllm_fa3_graph_replays_long_requests_with_wide_splits(heads, q_len, sch
     cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
     query = first.query.clone()
     out = torch.empty(query.shape[0], heads, 512, dtype=torch.bfloat16, device=device)
-    engine_batch = in_fixed_buffers(first.batch)
+    fixed = in_fixed_buffers(first.batch)
+
+    def engine_batch(batch):
+        batch = fixed(batch)
+        return replace(batch, seq_lens_host=batch.seq_lens.cpu()) if host_lengths else batch
+
     decoder.plan(engine_batch(first.batch))
     reserved = decoder.route._reserved_splits
     graph = capture_decode(decoder, query, cache, out)
@@ -201,10 +209,18 @@ def test_vllm_fa3_graph_replays_long_requests_with_wide_splits(heads, q_len, sch
         graph.replay()
         torch.cuda.synchronize()
         rel, worst = errors(out, reference(p, "vllm-fa3-mla"))
-        print(f"[wide splits h{heads} q{q_len} {max(p.batch.seq_lens.tolist())}] "
+        print(f"[{label} h{heads} q{q_len} {p.batch.seq_lens.tolist()[:4]}] "
               f"reserved={reserved} planned={planned[-1]} rel={rel:.2e} max={worst:.2e}")
         rel_bound, max_bound = bounds(p)
         assert rel < rel_bound and worst < max_bound, (rel, worst)
+    return planned
+
+
+@pytest.mark.parametrize("heads,q_len,schedule", WIDE_SPLIT_CASES,
+                         ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s in WIDE_SPLIT_CASES])
+def test_vllm_fa3_graph_replays_long_requests_with_wide_splits(heads, q_len, schedule):
+    planned = replay_vllm_fa3_split_steps(heads, q_len, schedule, "wide splits",
+                                          host_lengths=False)
     # 64 where the launch reserved it and the query tiles hold <= 32 rows (16 heads).
     assert max(planned) == (64 if heads * q_len * len(schedule[0]) <= 1024
                             and heads * q_len <= 32 else 32)
@@ -226,45 +242,5 @@ HALVED_SPLIT_CASES = [
 @pytest.mark.parametrize("heads,q_len,schedule,expected", HALVED_SPLIT_CASES,
                          ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s, _ in HALVED_SPLIT_CASES])
 def test_vllm_fa3_graph_replays_halved_splits(heads, q_len, schedule, expected):
-    device = torch.device("cuda")
-    width = max(max(lens) for lens in schedule) // 64 + 1
-    steps = [make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
-                          dtype=torch.bfloat16, kv_dtype=torch.bfloat16, device=device,
-                          width=width, spec_q_len=q_len)
-             for lens in schedule]
-    first = steps[0]
-    if (reason := route_skip_reason("vllm-fa3-mla", first.spec, device)) is not None:
-        pytest.skip(reason)
-    decoder = MLADecoder(first.spec, device, max_batch_size=16, route="vllm-fa3-mla",
-                         cuda_graph=True)
-    num_blocks = max(p.kv_cache.shape[0] for p in steps)
-    cache = torch.empty(num_blocks, 64, 576, dtype=torch.bfloat16, device=device)
-    cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
-    query = first.query.clone()
-    out = torch.empty(query.shape[0], heads, 512, dtype=torch.bfloat16, device=device)
-    fixed = in_fixed_buffers(first.batch)
-
-    def engine_batch(batch):
-        return replace(fixed(batch), seq_lens_host=batch.seq_lens.cpu())
-
-    decoder.plan(engine_batch(first.batch))
-    reserved = decoder.route._reserved_splits
-    graph = capture_decode(decoder, query, cache, out)
-    planned = []
-    for p in steps[1:]:
-        cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)
-        p.kv_cache = cache
-        decoder.plan(engine_batch(p.batch))
-        assert decoder.route._reserved_splits == reserved
-        planned.append(decoder.route._planned_splits)
-        query.copy_(p.query)
-        p.query = query
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        rel, worst = errors(out, reference(p, "vllm-fa3-mla"))
-        print(f"[halved splits h{heads} q{q_len} {p.batch.seq_lens.tolist()}] "
-              f"reserved={reserved} planned={planned[-1]} rel={rel:.2e} max={worst:.2e}")
-        rel_bound, max_bound = bounds(p)
-        assert rel < rel_bound and worst < max_bound, (rel, worst)
-    assert planned == expected
+    assert replay_vllm_fa3_split_steps(heads, q_len, schedule, "halved splits",
+                                       host_lengths=True) == expected

@@ -169,9 +169,11 @@ FA3_KV_TILE = 64
 #: longest request's KV tiles) from this much work per 132 SMs at full query tiles, scaled by
 #: ``(64 / rows per tile) ** 0.25`` for fewer rows per tile (run 102: 291 batches of 8-128
 #: heads, 1-4 query tokens, 0.3-2k tokens and 16-160 work tiles: 56 switched, geomean 1.022
-#: over the grid, up to 1.37x (h128 b2 1920), none slower; checked on the 53 shapes of seeds
-#: 45-52 in that range (run 103, not fitted on): six switched, 1.001-1.075x, none slower).
-#: Below it one-tile splits ran up to 9% faster (fewer rows per tile, fewer requests); so
+#: over the grid, up to 1.37x (h128 b2 1920), none slower). Checked on shapes not fitted on
+#: (runs 103, 105): 120 seeded draws in the grid's region, 33 switched, 1.089 on geomean
+#: over them (0.979-1.380); 125 random-set shapes of seeds 45-60 in that range, 13 switched,
+#: 1.000-1.235. Below it one-tile splits ran up to 9% faster (fewer rows per tile, fewer
+#: requests); so
 #: they did at 8 rows per tile (8 heads, one token) at every work tested (0.89-1.00x), and
 #: where the longest request held 5 KV tiles (320 tokens, cut 2 + 2 + 1: 0.95-0.99x; the grid
 #: had 5, 11, 19 and 30).

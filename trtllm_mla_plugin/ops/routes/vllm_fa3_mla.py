@@ -25,14 +25,14 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
   splits from the metadata). vLLM uses ``GRAPH_MAX_SPLITS`` for both. This route reserves
   ``graph_split_reserve`` splits per launch (a function of the captured batch's query rows,
   so capture and replay agree: vLLM builds a replayed step's metadata for the padded batch
-  it captured) and plans per step ``GRAPH_MAX_SPLITS`` or, for long
-  requests with query tiles of at most 32 rows (``ops.policy.vllm_fa3_wide_splits``), all
-  it reserved; for batches of short
-  requests that FA3 would cut into one-KV-tile splits, half the longest request's KV tiles
-  (``ops.policy.vllm_fa3_halved_splits``: two tiles per split), counted on the host's
-  lengths (vLLM's builder passes them outside asynchronous speculation). A planned cap stays >= 2:
-  with one split FA3's metadata leaves out the per-request split counts that a launch of
-  more splits reads ("scheduler_metadata must have shape").
+  it captured) and plans per step ``GRAPH_MAX_SPLITS``; for long requests with query tiles
+  of at most 32 rows (``ops.policy.vllm_fa3_wide_splits``) all it reserved; for busy
+  batches of short requests that FA3 would cut into one-KV-tile splits, half the longest
+  request's KV tiles (``ops.policy.vllm_fa3_halved_splits``: two tiles a split, the work
+  counted on the host's lengths, which vLLM's builder passes outside asynchronous
+  speculation). A planned cap stays >= 2: with one split FA3's metadata leaves out the
+  per-request split counts that a launch of more splits reads ("scheduler_metadata must
+  have shape", run 102).
 """
 
 from __future__ import annotations

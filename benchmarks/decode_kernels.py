@@ -46,7 +46,7 @@ class Case:
         """The batch as vLLM's builder plans it: under CUDA graphs with the exact host
         lengths (vLLM's ``seq_lens_cpu_upper_bound``, exact outside asynchronous
         speculation), which there only the ``vllm-fa3-mla`` split rule reads."""
-        if not cuda_graph or self.batch.cu_seqlens_q is not None:
+        if not cuda_graph:
             return self.batch
         return replace(self.batch, seq_lens_host=torch.tensor(self.lens_host,
                                                               dtype=torch.int32))

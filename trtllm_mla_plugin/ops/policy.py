@@ -173,10 +173,9 @@ FA3_KV_TILE = 64
 #: (runs 103, 105): 120 seeded draws in the grid's region, 33 switched, 1.089 on geomean
 #: over them (0.979-1.380); 125 random-set shapes of seeds 45-60 in that range, 13 switched,
 #: 1.000-1.235. Below it one-tile splits ran up to 9% faster (fewer rows per tile, fewer
-#: requests); so
-#: they did at 8 rows per tile (8 heads, one token) at every work tested (0.89-1.00x), and
-#: where the longest request held 5 KV tiles (320 tokens, cut 2 + 2 + 1: 0.95-0.99x; the grid
-#: had 5, 11, 19 and 30).
+#: requests); so they did at 8 rows per tile (8 heads, one token) at every work tested
+#: (0.89-1.00x), and where the longest request held 5 KV tiles (320 tokens, cut 2 + 2 + 1:
+#: 0.95-0.99x; the grid had 5, 11, 19 and 30).
 VLLM_FA3_HALVED_SPLITS_MIN_WORK = 72
 VLLM_FA3_HALVED_SPLITS_MIN_TILE_ROWS = 16
 VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES = 8
@@ -427,7 +426,7 @@ def vllm_fa3_halved_splits(spec: DecodeSpec, max_q_len: int, max_seq_len: int,
     the requests) where FA3's own formula would cut every request into one-tile splits."""
     if work_tiles * FA3_SPLIT_MARGIN > sms:
         return False
-    if max_seq_len < (VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES - 1) * FA3_KV_TILE + 1:
+    if -(-max_seq_len // FA3_KV_TILE) < VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES:
         return False
     rows_per_tile = query_tile_rows(spec, max_q_len)
     if rows_per_tile < VLLM_FA3_HALVED_SPLITS_MIN_TILE_ROWS:

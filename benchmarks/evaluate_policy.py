@@ -1,15 +1,18 @@
 """How the *current* SM90 policy does on measured shapes, without a GPU.
 
-``python benchmarks/evaluate_policy.py [--graph | --measured] [--vs PEER] shapes.jsonl
-FILE.csv ...`` reads bench_decode.py output (every route of the policy timed forced on
-every shape, and every peer), picks for each bf16 shape the route ``ops.policy`` ranks
-first (per batch, lengths known, as an eager decoder does; ``--graph``: batch size and
-query length only, as a CUDA-graph decoder does; ``--measured``: no replay, the
-``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself) and prints its
-time over the best peer's (``--vs PEER``: over that peer's, e.g. ``peer:vllm-fa3-mla``,
-vLLM's default SM90 kernel for bf16 caches): per file the worst and the geometric-mean
-ratio (> 1: the plugin is faster) and the shapes under 0.95. FP8 shapes report the plugin's
-own dispatched time (``plugin[...]`` rows).
+``python benchmarks/evaluate_policy.py [--graph | --measured | --oracle [--node-us US]]
+[--vs PEER] shapes.jsonl FILE.csv ...`` reads bench_decode.py output (every route of the
+policy timed forced on every shape, and every peer), picks for each bf16 shape the route
+``ops.policy`` ranks first (per batch, lengths known, as an eager decoder does; ``--graph``:
+batch size and query length only, as a CUDA-graph decoder does; ``--measured``: no replay,
+the ``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself; ``--oracle``:
+the faster of the CUDA-graph decoder's two main routes per shape, the ``vllm-fa3-mla`` and
+``flashmla`` rows, plus ``--node-us US`` per call, which is the best a graph that picked
+between them per step from the step's lengths could score, with its extra graph nodes' cost)
+and prints its time over the best peer's (``--vs PEER``: over that peer's, e.g.
+``peer:vllm-fa3-mla``, vLLM's default SM90 kernel for bf16 caches): per file the worst and
+the geometric-mean ratio (> 1: the plugin is faster) and the shapes under 0.95. FP8 shapes
+report the plugin's own dispatched time (``plugin[...]`` rows).
 
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
@@ -68,8 +71,12 @@ def policy_row(r: dict, lens: list[int], graph: bool = False,
 
 
 #: What picks the plugin's row: the policy replayed with lengths (``eager``) or without
-#: (``graph``), or the CUDA-graph decoder's own timed row (``measured``).
-RULES = ("eager", "graph", "measured")
+#: (``graph``), the CUDA-graph decoder's own timed row (``measured``), or the faster of
+#: ``ORACLE_ROWS`` per shape (``oracle``).
+RULES = ("eager", "graph", "measured", "oracle")
+#: The routes a CUDA-graph decoder picks between for most bf16 batches (``ops.policy``'s
+#: graph rule: vLLM's FA3 kernel for small batches, FlashMLA for the rest).
+ORACLE_ROWS = ("vllm-fa3-mla", "flashmla")
 
 
 #: First run whose ``peer:vllm-flashmla`` rows have FlashMLA's per-step schedule kernel in
@@ -102,7 +109,9 @@ def timed_rows(path: str) -> dict[str, dict[str, dict]]:
 
 
 def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
-           vs: str | None = None) -> list[tuple[float, str, str]]:
+           vs: str | None = None, node_us: float = 0.0) -> list[tuple[float, str, str]]:
+    """Per scored shape (best peer's time / the plugin's, shape, the plugin's row); with
+    rule ``oracle``, ``node_us`` is added to the plugin's time."""
     out = []
     for shape, ks in timed_rows(path).items():
         peers = {n: float(r["us"]) for n, r in ks.items()
@@ -116,6 +125,13 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             name = next((n for n in ks if n.startswith("plugin")), None)
         elif rule == "measured":
             name = next((n for n in ks if n.startswith("plugin-graph")), None)
+        elif rule == "oracle":
+            timed = [n for n in ORACLE_ROWS if n in ks]
+            if len(timed) < len(ORACLE_ROWS):
+                continue
+            name = min(timed, key=lambda n: float(ks[n]["us"]))
+            out.append((min(peers.values()) / (float(ks[name]["us"]) + node_us), shape, name))
+            continue
         else:
             name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)
         if name is None or name not in ks:
@@ -133,6 +149,11 @@ def main(*argv: str) -> None:
         i = args.index("--vs")
         vs = args[i + 1]
         del args[i:i + 2]
+    node_us = 0.0
+    if "--node-us" in args:
+        i = args.index("--node-us")
+        node_us = float(args[i + 1])
+        del args[i:i + 2]
     shapes_path, *paths = args
     lens = {}
     with open(shapes_path) as f:
@@ -140,7 +161,7 @@ def main(*argv: str) -> None:
             d = json.loads(line)
             lens[d["shape"]] = d["lens"]
     for path in paths:
-        rs = ratios(path, lens, rule, vs)
+        rs = ratios(path, lens, rule, vs, node_us)
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:

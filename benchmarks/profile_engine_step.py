@@ -191,7 +191,7 @@ def worker(args: argparse.Namespace) -> None:
     summary = dict(backend=args.backend, kv=args.kv, heads=args.heads, batch=args.batch,
                    layers=args.layers, step_ms_unprofiled=round(step_ms, 3))
     try:
-        summary.update(summarize(trace, eager=args.eager))
+        summary.update(summarize(trace, top=args.top, eager=args.eager))
     except ValueError as error:
         summary["error"] = str(error)
     Path(args.result).write_text(json.dumps(summary, indent=1))
@@ -234,6 +234,8 @@ def main() -> None:
     ap.add_argument("--short-len", type=int, default=8)
     bench_engine.add_shared_args(ap)
     ap.add_argument("--timeout", type=int, default=240, help="seconds per engine")
+    ap.add_argument("--top", type=int, default=15,
+                    help="kernels and runtime calls kept per summary, by time")
     ap.add_argument("--summarize", nargs="+", metavar="TRACE",
                     help="only summarise these trace-*.json.gz files (no GPU needed; "
                          "--eager for traces of enforce_eager engines)")
@@ -247,7 +249,7 @@ def main() -> None:
             with gzip.open(path, "rt") as f:
                 summary = dict(backend=Path(path).name, kv="", heads="", batch="",
                                step_ms_unprofiled=float("nan"),
-                               **summarize(json.load(f), eager=args.eager))
+                               **summarize(json.load(f), top=args.top, eager=args.eager))
             summaries.append(summary)
         print_comparison(summaries)
         return
@@ -265,7 +267,7 @@ def main() -> None:
                    "--batch", str(args.batch), "--steps", str(args.steps),
                    "--short-len", str(args.short_len), "--layers", str(args.layers),
                    "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
-                   "--seed", str(args.seed), "--result", str(result),
+                   "--seed", str(args.seed), "--result", str(result), "--top", str(args.top),
                    *(["--eager"] if args.eager else [])]
             t0 = time.time()
             with open(args.out / f"log-{tag}.txt", "w") as log:

@@ -17,6 +17,11 @@ FLASH_ATTN_MLA builder under full CUDA graphs (``FlashAttnMLAMetadataBuilder._bu
 the longest query from the host offsets, FA3's scheduler metadata, its copy into a
 persistent buffer and the zeroed tail), the baseline of the plugin's ``vllm-fa3-mla`` plan,
 which also stages the block table, lengths and query offsets into graph-stable buffers.
+Row ``peer:vllm-flashmla-fp8``: the per-step work of vLLM's FLASHMLA builder on an FP8 cache
+under full CUDA graphs (``FlashMLAMetadataBuilder._build_decode``: the longest query from
+the host offsets, FlashMLA's dense FP8 scheduler and the copy of its two outputs into
+persistent buffers), the baseline of the plugin's ``flashmla-fp8`` plan, whose schedule
+kernel writes those buffers itself.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from pathlib import Path
 
 import torch
 from decode_kernels import (  # this folder is on sys.path when a file of it runs
+    FLASHMLA_FP8_MODULE,
+    FLASHMLA_MODULE,
     VLLM_FA3_MODULE,
     vllm_fa3_scheduler_metadata,
 )
@@ -43,7 +50,7 @@ from trtllm_mla_plugin.ops.platform import platform_of
 CASES = [("flashinfer-fa3", "bf16", True), ("flashinfer-fa3", "bf16", False),
          ("flashmla", "bf16", True), ("flashmla-fp8", "fp8", True),
          ("vllm-fa3-mla", "bf16", True), ("peer:vllm-fa3-mla", "bf16", True),
-         ("policy", "bf16", True)]
+         ("peer:vllm-flashmla-fp8", "fp8", True), ("policy", "bf16", True)]
 #: Requests the ``policy`` decoder is built for (as an engine's ``max_num_seqs``): it holds
 #: every route its CUDA-graph ranking can pick and ranks each batch.
 POLICY_MAX_BATCH = 256
@@ -85,9 +92,43 @@ class VllmFA3BuilderPlan:
         self.buffer[n:] = 0
 
 
+class VllmFlashMLAFP8BuilderPlan:
+    """What vLLM 0.33's FLASHMLA builder does per decode step on an FP8 cache under full
+    CUDA graphs (``v1/attention/backends/mla/flashmla.py``), as a ``plan`` to time beside
+    the plugin's ``flashmla-fp8``: FlashMLA's (empty) scheduler object, its dense FP8
+    scheduler on the step's lengths, and the copy of the tile schedule (``(sm_parts, 8)``
+    int32) and split offsets (``(batch + 1,)`` int32) into buffers at fixed addresses.
+    ``ops`` / ``interface``: FlashMLA's FP8 extension ops and Python interface (imported
+    where not given)."""
+
+    def __init__(self, spec: DecodeSpec, device: torch.device, max_batch: int,
+                 ops=None, interface=None) -> None:
+        if ops is None:
+            importlib.import_module(FLASHMLA_FP8_MODULE)
+            ops = torch.ops._flashmla_extension_C
+        self.ops = ops
+        self.interface = interface or importlib.import_module(FLASHMLA_MODULE)
+        self.spec = spec
+        sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 132)
+        self.tiles = torch.zeros(sms, 8, dtype=torch.int32, device=device)
+        self.splits = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
+        self.cu_host = torch.arange(max_batch + 1, dtype=torch.int32)
+
+    def plan(self, batch: DecodeBatch) -> None:
+        b = batch.batch_size
+        cu_host = self.cu_host[: b + 1]
+        max_q = (cu_host[1:] - cu_host[:-1]).max().item()
+        self.interface.get_mla_metadata()
+        tiles, splits = self.ops.get_mla_decoding_metadata_dense_fp8(
+            batch.seq_lens, max_q * self.spec.num_heads, 1)
+        self.tiles[: tiles.size(0)].copy_(tiles)
+        self.splits[: splits.size(0)].copy_(splits)
+
+
 def host_us_per_plan(dec, batch: DecodeBatch, busy_us: int, reps: int) -> float:
-    """Median host time of ``dec.plan(batch)`` (``dec``: an ``MLADecoder`` or
-    ``VllmFA3BuilderPlan``), the GPU idle or kept busy ``busy_us`` before each. (Runs 17
+    """Median host time of ``dec.plan(batch)`` (``dec``: an ``MLADecoder`` or a vLLM
+    builder's stand-in), the GPU idle or kept busy ``busy_us`` before each. (Runs 17
     and 66-69 reported the mean, which a few slow plans moved by tens of us.)"""
     cycles = int(busy_us * 1.98e3)  # H200 SM clock ~1.98 GHz
     dec.plan(batch)
@@ -126,7 +167,9 @@ def main() -> None:
             batch = batch_for(b, args.heads, random.Random(b), 8192 // 64, device)
             if not host:
                 batch = replace(batch, seq_lens_host=None)
-            if route.startswith("peer:"):
+            if route == "peer:vllm-flashmla-fp8":
+                dec = VllmFlashMLAFP8BuilderPlan(spec, device, b)
+            elif route.startswith("peer:"):
                 dec = VllmFA3BuilderPlan(spec, device, b)
             elif route == "policy":
                 dec = MLADecoder(spec, device, max(b, POLICY_MAX_BATCH), cuda_graph=True)

@@ -746,3 +746,39 @@ def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, 
         ("vllm-fa3-mla-eager", "100.00", "2"), ("peer:vllm-fa3-mla", "100.00", "2"),
         ("peer:vllm-flashmla", "100.00", "2")]
     assert float(rows[1]["rel_diff"]) == pytest.approx(3.0)  # |128 - 32| / 32
+
+
+def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
+    """``bench_plan_host``'s stand-in for vLLM's FLASHMLA builder on an FP8 cache asks
+    FlashMLA's dense FP8 scheduler for the step's lengths with ``max query x heads`` query
+    tokens per KV head, and copies its two outputs into buffers that keep their address
+    from step to step (stand-ins for the FlashMLA ops, on the CPU)."""
+    import types
+
+    import bench_plan_host
+
+    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec
+
+    calls = []
+
+    def scheduler(lens, q_tokens, heads_k):
+        calls.append((lens.tolist(), q_tokens, heads_k))
+        b = lens.numel()
+        return (torch.full((3, 8), b, dtype=torch.int32),
+                torch.arange(b + 1, dtype=torch.int32) * 2)
+
+    ops = types.SimpleNamespace(get_mla_decoding_metadata_dense_fp8=scheduler)
+    interface = types.SimpleNamespace(get_mla_metadata=lambda: (object(), None))
+    spec = DecodeSpec(16, 512, 64, 64, torch.float8_e4m3fn, torch.float8_e4m3fn, 0.1)
+    plan = bench_plan_host.VllmFlashMLAFP8BuilderPlan(spec, torch.device("cpu"), 8, ops,
+                                                      interface)
+    addresses = (plan.tiles.data_ptr(), plan.splits.data_ptr())
+    for lens in ([300, 70, 4096], [5, 6, 7, 8, 9]):
+        seq = torch.tensor(lens, dtype=torch.int32)
+        table = torch.zeros(len(lens), 64, dtype=torch.int32)
+        plan.plan(DecodeBatch(table, seq, max(lens)))
+        b = len(lens)
+        assert calls[-1] == (lens, 16, 1)
+        assert plan.tiles[:3].eq(b).all() and plan.splits[: b + 1].tolist() == [
+            2 * i for i in range(b + 1)]
+    assert (plan.tiles.data_ptr(), plan.splits.data_ptr()) == addresses

@@ -1,7 +1,7 @@
 """vLLM's FA3 MLA kernel under CUDA graphs at other caps on its KV splits (needs CUDA and
 the kit's vLLM).
 
-``python3 benchmarks/bench_fa3_graph_splits.py [--grid random|short|short-random|window]
+``python3 benchmarks/bench_fa3_graph_splits.py [--grid random|short|short-random|mid-random|window]
 [--seed S[,S...]] [--count N] [--caps 32,64,128,rule,/2] --out F.csv`` times the
 ``vllm-fa3-mla`` route set up for CUDA graphs (the graph rule's route for batches of up to 32
 requests) with its cap on FA3's KV splits (``num_splits``, vLLM's
@@ -16,6 +16,7 @@ host's exact lengths, as vLLM's builder hands them over under CUDA graphs. Shape
 random sets whose batch holds at most ``MAX_TILES`` FA3 query tiles (only there can a
 request want more than 32 splits); ``short``, ``short_grid()`` (batches of short requests
 that FA3 cuts into one-KV-tile splits); ``short-random``, seeded draws in that region;
+``mid-random``, seeded draws between the two split rules (``mid_random``);
 ``window``, the random sets' shapes of at most 32 requests and 16-160 work tiles. Writes
 ``--out`` (CSV: shape, tiles, kernel, us, difference to the first cap's output) and prints,
 per cap, the geometric mean and range of the first cap's time over that cap's.
@@ -98,6 +99,31 @@ def short_random(seed: int, count: int) -> list[tuple[int, tuple]]:
     return shapes
 
 
+#: ``mid_random``'s region: the longest request's tokens, and the most FA3 query tiles a
+#: batch holds (at 32 splits each, at most 128 CTAs: under one wave of the H200's SMs).
+MID_CONTEXT = (2048, 8191)
+MID_MAX_TILES = 4
+
+
+def mid_random(seed: int, count: int) -> list[tuple[int, tuple]]:
+    """``(case seed, shape)`` of ``count`` seeded random batches between the two split rules
+    (``ops.policy.vllm_fa3_wide_splits`` from 8k tokens, ``vllm_fa3_halved_splits`` for busy
+    batches of short requests): any heads of 8-128, 1-4 query tokens, a longest request of
+    2k-8k tokens, uniform or ragged, at most ``MID_MAX_TILES`` query tiles in all, where
+    FA3 at vLLM's cap of 32 splits runs under one wave of CTAs and the cap may bind."""
+    rng = random.Random(seed)
+    shapes: list[tuple[int, tuple]] = []
+    while len(shapes) < count:
+        heads, q_len = rng.choice((8, 16, 32, 64, 128)), rng.randint(1, 4)
+        ctx, kind = rng.randint(*MID_CONTEXT), rng.choice(("u", "r0.2", "r0.5", "r0.8"))
+        tiles = math.ceil(heads * q_len / FA3_TILE_ROWS)
+        if tiles > MID_MAX_TILES:
+            continue
+        b = rng.randint(1, MID_MAX_TILES // tiles)
+        shapes.append((1000 * seed + len(shapes), (heads, b, ctx, kind, q_len, bd.BF, 64)))
+    return shapes
+
+
 def set_cap(route, cap: int | str, case: bd.Case) -> None:
     """The ``vllm-fa3-mla`` route's cap on FA3's KV splits for its plan and run (``"rule"``:
     its own; ``"/K"``: the plan's cap ``ceil(KV tiles of the longest request / K)``, the
@@ -121,6 +147,8 @@ def sweep(device: torch.device, seeds: list[int], count: int, caps: list[int | s
         shapes = [(900 + i, s) for i, s in enumerate(short_grid())][skip:]
     elif grid == "short-random":
         shapes = [x for seed in seeds for x in short_random(seed, count)]
+    elif grid == "mid-random":
+        shapes = [x for seed in seeds for x in mid_random(seed, count)]
     elif grid == "window":
         shapes = [(case_seed, s) for seed in seeds
                   for case_seed, s in bd.random_set(seed, count, keep=bd.BF)
@@ -176,12 +204,14 @@ def main() -> None:
                         help="caps on FA3's KV splits (rule: the route's own; /K: the plan "
                         "cut to the longest request's KV tiles / K); the first is the one "
                         "the others' outputs and times are compared with")
-    parser.add_argument("--grid", choices=("random", "short", "short-random", "window"),
+    parser.add_argument("--grid",
+                        choices=("random", "short", "short-random", "mid-random", "window"),
                         default="random",
                         help="random: FIXED and the shapes of at most MAX_TILES query tiles "
                         "of the random sets; short: short_grid(); short-random: --count "
-                        "shapes of short_random() per seed; window: the random sets' "
-                        "shapes of <= 32 requests and 16-160 FA3 work tiles")
+                        "shapes of short_random() per seed; mid-random: --count shapes of "
+                        "mid_random() per seed; window: the random sets' shapes of <= 32 "
+                        "requests and 16-160 FA3 work tiles")
     parser.add_argument("--skip", type=int, default=0, help="short: start at this shape")
     parser.add_argument("--out", type=Path, default=Path("fa3-graph-splits.csv"))
     args = parser.parse_args()

@@ -748,6 +748,21 @@ def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, 
     assert float(rows[1]["rel_diff"]) == pytest.approx(3.0)  # |128 - 32| / 32
 
 
+def test_mid_random_draws_between_the_two_split_rules():
+    """``bench_fa3_graph_splits.mid_random``: seeded, each shape a longest request of
+    2k-8k tokens and at most four FA3 query tiles in all, heads and query lengths drawn
+    across 8-128 and 1-4."""
+    import bench_fa3_graph_splits as sweep_bench
+
+    shapes = sweep_bench.mid_random(7, 60)
+    assert shapes == sweep_bench.mid_random(7, 60) != sweep_bench.mid_random(8, 60)
+    assert len({seed for seed, _ in shapes}) == 60
+    for _, (heads, b, ctx, _, q_len, _, _) in shapes:
+        assert 2048 <= ctx <= 8191 and b * -(-heads * q_len // 64) <= 4
+    assert {s[0] for _, s in shapes} == {8, 16, 32, 64, 128}
+    assert {s[4] for _, s in shapes} == {1, 2, 3, 4}
+
+
 def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
     """``bench_plan_host``'s stand-in for vLLM's FLASHMLA builder on an FP8 cache asks
     FlashMLA's dense FP8 scheduler for the step's lengths with ``max query x heads`` query

@@ -65,6 +65,13 @@ def batch_for(b: int, heads: int, rng: random.Random, width: int, device) -> Dec
                        seq_lens_host=lens_t, persistent=True)
 
 
+def longest_query(cu_host: torch.Tensor, b: int) -> int:
+    """The longest query of a batch of ``b`` requests from the host's query offsets
+    (``(b + 1,)`` int32, CPU), as vLLM's MLA builders take it each step."""
+    cu = cu_host[: b + 1]
+    return int((cu[1:] - cu[:-1]).max().item())
+
+
 class VllmFA3BuilderPlan:
     """What vLLM 0.33's FLASH_ATTN_MLA builder does per decode step under full CUDA graphs
     (``v1/attention/backends/mla/flashattn_mla.py``), as a ``plan`` to time beside the
@@ -83,8 +90,7 @@ class VllmFA3BuilderPlan:
 
     def plan(self, batch: DecodeBatch) -> None:
         b = batch.batch_size
-        cu_host = self.cu_host[: b + 1]
-        max_q = (cu_host[1:] - cu_host[:-1]).max().item()
+        max_q = longest_query(self.cu_host, b)
         meta = vllm_fa3_scheduler_metadata(self.fa, self.spec, b, max_q, batch.max_seq_len,
                                            batch.seq_lens, self.cu[: b + 1])
         n = meta.shape[0]
@@ -116,9 +122,7 @@ class VllmFlashMLAFP8BuilderPlan:
         self.cu_host = torch.arange(max_batch + 1, dtype=torch.int32)
 
     def plan(self, batch: DecodeBatch) -> None:
-        b = batch.batch_size
-        cu_host = self.cu_host[: b + 1]
-        max_q = (cu_host[1:] - cu_host[:-1]).max().item()
+        max_q = longest_query(self.cu_host, batch.batch_size)
         self.interface.get_mla_metadata()
         tiles, splits = self.ops.get_mla_decoding_metadata_dense_fp8(
             batch.seq_lens, max_q * self.spec.num_heads, 1)

@@ -54,10 +54,22 @@ FIXED = [(16, 1, 43444, "u", 1, bd.BF, 64), (16, 1, 16384, "u", 1, bd.BF, 64),
 FIELDS = ["shape", "tiles", "kernel", "us", "rel_diff"]
 
 
+def request_tiles(heads: int, q_len: int) -> int:
+    """FA3's query tiles for one request of ``heads x q_len`` query rows."""
+    return math.ceil(heads * q_len / FA3_TILE_ROWS)
+
+
 def query_tiles(shape: tuple) -> int:
     """FA3's query tiles for a batch of ``shape`` (``bench_decode`` shape tuple)."""
     heads, batch, _, _, q_len, _, _ = shape
-    return batch * math.ceil(heads * q_len / FA3_TILE_ROWS)
+    return batch * request_tiles(heads, q_len)
+
+
+def random_request(rng: random.Random, context: tuple[int, int]) -> tuple[int, int, int, str]:
+    """One seeded draw of (heads of 8-128, 1-4 query tokens, a longest request of
+    ``context`` tokens, uniform or ragged lengths) for the random grids below."""
+    heads, q_len = rng.choice((8, 16, 32, 64, 128)), rng.randint(1, 4)
+    return heads, q_len, rng.randint(*context), rng.choice(("u", "r0.2", "r0.5", "r0.8"))
 
 
 def short_grid() -> list[tuple]:
@@ -69,7 +81,7 @@ def short_grid() -> list[tuple]:
     shapes = []
     for heads in (8, 16, 32, 64, 128):
         for q_len in (1, 2, 4):
-            tiles = math.ceil(heads * q_len / FA3_TILE_ROWS)
+            tiles = request_tiles(heads, q_len)
             for ctx in (320, 704, 1216, 1920):
                 kv_tiles = math.ceil(ctx / 64)
                 sizes = sorted({max(1, round(work / (tiles * kv_tiles)))
@@ -89,9 +101,8 @@ def short_random(seed: int, count: int) -> list[tuple[int, tuple]]:
     rng = random.Random(seed)
     shapes: list[tuple[int, tuple]] = []
     while len(shapes) < count:
-        heads, q_len = rng.choice((8, 16, 32, 64, 128)), rng.randint(1, 4)
-        ctx, kind = rng.randint(256, 2048), rng.choice(("u", "r0.2", "r0.5", "r0.8"))
-        per_request = math.ceil(heads * q_len / FA3_TILE_ROWS) * math.ceil(ctx / 64)
+        heads, q_len, ctx, kind = random_request(rng, (256, 2048))
+        per_request = request_tiles(heads, q_len) * math.ceil(ctx / 64)
         b = max(1, round(rng.uniform(40, 130) / per_request))
         if b <= 32:
             shape = (heads, b, ctx, kind, q_len, bd.BF, 64)
@@ -114,9 +125,8 @@ def mid_random(seed: int, count: int) -> list[tuple[int, tuple]]:
     rng = random.Random(seed)
     shapes: list[tuple[int, tuple]] = []
     while len(shapes) < count:
-        heads, q_len = rng.choice((8, 16, 32, 64, 128)), rng.randint(1, 4)
-        ctx, kind = rng.randint(*MID_CONTEXT), rng.choice(("u", "r0.2", "r0.5", "r0.8"))
-        tiles = math.ceil(heads * q_len / FA3_TILE_ROWS)
+        heads, q_len, ctx, kind = random_request(rng, MID_CONTEXT)
+        tiles = request_tiles(heads, q_len)
         if tiles > MID_MAX_TILES:
             continue
         b = rng.randint(1, MID_MAX_TILES // tiles)

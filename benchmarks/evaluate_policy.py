@@ -121,22 +121,21 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
         if not peers:
             continue
         any_row = next(iter(ks.values()))
+        extra_us = 0.0
         if any_row["kv"] == "fp8":
             name = next((n for n in ks if n.startswith("plugin")), None)
         elif rule == "measured":
             name = next((n for n in ks if n.startswith("plugin-graph")), None)
         elif rule == "oracle":
             timed = [n for n in ORACLE_ROWS if n in ks]
-            if len(timed) < len(ORACLE_ROWS):
-                continue
-            name = min(timed, key=lambda n: float(ks[n]["us"]))
-            out.append((min(peers.values()) / (float(ks[name]["us"]) + node_us), shape, name))
-            continue
+            name = (min(timed, key=lambda n: float(ks[n]["us"]))
+                    if len(timed) == len(ORACLE_ROWS) else None)
+            extra_us = node_us
         else:
             name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)
         if name is None or name not in ks:
             continue
-        out.append((min(peers.values()) / float(ks[name]["us"]), shape, name))
+        out.append((min(peers.values()) / (float(ks[name]["us"]) + extra_us), shape, name))
     return out
 
 

@@ -577,8 +577,9 @@ def main() -> None:
     ap.add_argument("--kv", choices=("both", BF, F8), default="both",
                     help="cache dtypes of the random sets")
     ap.add_argument("--graph-only", action="store_true",
-                    help="random sets, bf16 shapes: only the CUDA-graph decoder, the two routes "
-                         "its rule picks between and vLLM's calls of those kernels")
+                    help="bf16 shapes (of the grid unless --no-grid, and of the random sets): "
+                         "only the CUDA-graph decoder, the two routes its rule picks between "
+                         "and vLLM's calls of those kernels")
     ap.add_argument("--extra-routes", default="",
                     help="comma-separated plugin routes to time forced on every shape "
                          "(route:NAME rows; a summary of each against the best peer)")
@@ -628,6 +629,9 @@ def main() -> None:
     shapes = THRESHOLD if args.threshold else QUICK if args.quick else FULL
     if args.shapes:
         shapes = [FULL[int(i)] for i in args.shapes.split(",")]
+    grid_mode = "graph" if args.graph_only else "grid"
+    if args.graph_only:
+        shapes = [shape for shape in shapes if shape[5] == BF]
     shapes_log = open(args.out / "shapes.jsonl", "w")  # noqa: SIM115
     if not args.no_grid:
         with open(args.out / "decode.csv", "w", newline="") as f:
@@ -635,7 +639,7 @@ def main() -> None:
             writer.writeheader()
             for shape in shapes:
                 idx = FULL.index(shape) if shape in FULL else 100 + THRESHOLD.index(shape)
-                bench_shape(shape, idx, device, writer, 1, summary, shapes_log=shapes_log)
+                bench_shape(shape, idx, device, writer, 1, summary, grid_mode, shapes_log)
                 f.flush()
                 print(f"[{time.time() - t_start:.0f}s] {summary[-1][1]} done", flush=True)
             if args.noise:

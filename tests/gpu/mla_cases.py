@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import pytest
 import torch
 
 from trtllm_mla_plugin.ops import (
@@ -20,6 +21,15 @@ KV_LORA_RANK, ROPE_DIM = 512, 64
 HEAD_DIM = KV_LORA_RANK + ROPE_DIM
 SOFTMAX_SCALE = 1.0 / (192**0.5)
 FP8 = torch.float8_e4m3fn
+
+#: The marks of every kernel test module: a GPU test, skipped where there is no CUDA GPU.
+GPU_TEST_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+#: Every kernel route the plugin has (not the float64 reference they are checked against);
+#: each test skips a route that declines its case, with the route's own reason.
+KERNEL_ROUTES = [name for name in ROUTES if name != "torch-reference"]
 
 # Bounds on ||out - ref|| / ||ref|| and on max|out - ref| / max|ref| against the float64
 # reference. bf16 has an 8-bit mantissa (fp16: 11), and the kernels round P to the input

@@ -18,6 +18,8 @@ import torch
 from trtllm_mla_plugin.ops import MLADecoder
 
 from mla_cases import (
+    GPU_TEST_MARKS,
+    KERNEL_ROUTES,
     bounds,
     capture_decode,
     errors,
@@ -28,14 +30,9 @@ from mla_cases import (
     with_host_lengths,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_TEST_MARKS
 
-ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "vllm-fa3-mla", "triton-balanced",
-          "flashinfer-fa2", "cuda-splitk",
-          "trtllm-gen", "flashinfer-cute-dsl"]
+ROUTES = KERNEL_ROUTES
 FP8 = torch.float8_e4m3fn
 #: The KV (and query) dtype each route is captured with: FP8-only routes read FP8.
 KV_DTYPE = {"flashmla-fp8": FP8}

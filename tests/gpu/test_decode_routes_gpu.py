@@ -13,6 +13,8 @@ from trtllm_mla_plugin.ops import KVScales, MLADecoder
 
 from mla_cases import (
     FP8,
+    GPU_TEST_MARKS,
+    KERNEL_ROUTES,
     bounds,
     errors,
     make_problem,
@@ -21,14 +23,9 @@ from mla_cases import (
     with_host_lengths,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_TEST_MARKS
 
-ROUTES = ["flashinfer-fa3", "flashmla", "flashmla-fp8", "vllm-fa3-mla", "triton-balanced",
-          "flashinfer-fa2", "cuda-splitk",
-          "trtllm-gen", "flashinfer-cute-dsl"]
+ROUTES = KERNEL_ROUTES
 BF16, FP16 = torch.bfloat16, torch.float16
 
 # (id, heads, block, seq_lens, q_lens (int: uniform, list: ragged), q dtype, kv dtype, scales)

@@ -15,7 +15,15 @@ import torch
 
 from trtllm_mla_plugin.ops import MLADecoder
 
-from mla_cases import HEAD_DIM, bounds, errors, make_problem, reference, route_skip_reason
+from mla_cases import (
+    GPU_TEST_MARKS,
+    HEAD_DIM,
+    bounds,
+    errors,
+    make_problem,
+    reference,
+    route_skip_reason,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flashmla_schedule_cases import (
@@ -28,10 +36,7 @@ from flashmla_schedule_cases import (
     same_schedule,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_TEST_MARKS
 BF16 = torch.bfloat16
 
 

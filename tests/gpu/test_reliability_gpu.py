@@ -19,7 +19,9 @@ from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, KVScales, MLADecoder
 
 from mla_cases import (
     FP8,
+    GPU_TEST_MARKS,
     HEAD_DIM,
+    KERNEL_ROUTES,
     KV_LORA_RANK,
     Problem,
     bounds,
@@ -31,14 +33,9 @@ from mla_cases import (
     with_host_lengths,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_TEST_MARKS
 
-ALL_ROUTES = ["flashinfer-fa3", "flashinfer-fa2", "flashmla", "flashmla-fp8", "vllm-fa3-mla",
-              "triton-balanced", "cuda-splitk",
-              "trtllm-gen", "flashinfer-cute-dsl"]
+ALL_ROUTES = KERNEL_ROUTES
 #: Routes that serve FP8 caches only: their graph tests run FP8 (query and cache, as vLLM
 #: hands them over) where the others run bf16.
 FP8_ONLY = {"flashmla-fp8"}

@@ -20,6 +20,7 @@ from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import (
 )
 
 from mla_cases import (
+    GPU_TEST_MARKS,
     bounds,
     errors,
     make_problem,
@@ -28,10 +29,7 @@ from mla_cases import (
     splitk_decode,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = GPU_TEST_MARKS
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 #: FP8 cache read with the 16-bit query: the error the bf16 routes have (issue 11's aim).
 FP8_BF16_QUERY_REL = 5e-3

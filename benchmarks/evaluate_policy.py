@@ -14,6 +14,13 @@ and prints its time over the best peer's (``--vs PEER``: over that peer's, e.g.
 the geometric-mean ratio (> 1: the plugin is faster) and the shapes under 0.95. FP8 shapes
 report the plugin's own dispatched time (``plugin[...]`` rows).
 
+``--search-graph-bounds [--check CHECK.csv,...]`` instead replays the CUDA-graph rule under
+every combination of ``GRAPH_BOUND_GRID``'s bounds (``ops.policy``'s
+``VLLM_FA3_GRAPH_MAX_BATCH``, ``..._MAX_ROWS`` and ``..._MAX_REQUEST_ROWS``) on the files
+(the fit set) and on ``--check``'s (shapes the choice is checked on) and prints the best
+bounds by the fit set's geometric mean beside today's (``shapes.jsonl`` may be ``-``: the
+graph rule needs no lengths).
+
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
 In files of runs before 80 (``runNN-`` in the file name), vLLM's FLASHMLA is scored by the
@@ -31,12 +38,14 @@ the capped ``vllm-fa3-mla`` row (0.999 of the uncapped time over run 80's 82 sha
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Container
+from collections.abc import Container, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -139,8 +148,85 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
     return out
 
 
+#: Bounds of the CUDA-graph rule searched by ``--search-graph-bounds``: requests, query rows
+#: (requests x heads x query tokens; a large number: none) and query rows per request.
+GRAPH_BOUND_GRID = {
+    "VLLM_FA3_GRAPH_MAX_BATCH": (16, 24, 32, 40, 48, 64, 96, 128, 192, 256, 512, 1024),
+    "VLLM_FA3_GRAPH_MAX_ROWS": (1024, 2048, 3072, 4096, 6144, 8192, 16384, 1 << 30),
+    "VLLM_FA3_GRAPH_MAX_REQUEST_ROWS": (0, 8, 16),
+}
+
+
+@contextmanager
+def graph_bounds(bounds: dict[str, int]) -> Iterator[None]:
+    """``ops.policy``'s CUDA-graph bounds set to ``bounds`` inside the block, restored after."""
+    saved = {name: getattr(policy, name) for name in bounds}
+    try:
+        for name, value in bounds.items():
+            setattr(policy, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(policy, name, value)
+
+
+def score(paths: Sequence[str], lens: dict[str, list[int]], rule: str = "graph",
+          vs: str | None = None) -> tuple[float, float, int]:
+    """Geometric mean and worst of the bf16 ratios of ``ratios`` over all ``paths``
+    together, and their number."""
+    rs = [x[0] for path in paths for x in ratios(path, lens, rule, vs) if " bf16 " in x[1]]
+    if not rs:
+        raise ValueError(f"no bf16 shape with peers to score in {', '.join(paths)}")
+    return math.exp(sum(map(math.log, rs)) / len(rs)), min(rs), len(rs)
+
+
+def search_graph_bounds(fit: Sequence[str], check: Sequence[str], lens: dict[str, list[int]],
+                        vs: str | None = None,
+                        ) -> list[tuple[dict[str, int], tuple, tuple | None]]:
+    """Every combination of ``GRAPH_BOUND_GRID`` scored with the CUDA-graph rule on the fit
+    and check files: ``(bounds, fit score, check score or None)``, best fit geomean first.
+    The graph rule reads no lengths: ``lens`` may leave shapes out."""
+    lens = defaultdict(list, lens)
+    results = []
+    for values in itertools.product(*GRAPH_BOUND_GRID.values()):
+        bounds = dict(zip(GRAPH_BOUND_GRID, values, strict=True))
+        with graph_bounds(bounds):
+            results.append((bounds, score(fit, lens, "graph", vs),
+                            score(check, lens, "graph", vs) if check else None))
+    return sorted(results, key=lambda r: -r[1][0])
+
+
+def print_graph_bounds_search(fit: Sequence[str], check: Sequence[str],
+                              lens: dict[str, list[int]], vs: str | None, top: int = 12) -> None:
+    today = {name: getattr(policy, name) for name in GRAPH_BOUND_GRID}
+    results = search_graph_bounds(fit, check, lens, vs)
+    print("max batch, max rows, max rows per request: fit geomean / worst (shapes)"
+          + ("; check geomean / worst (shapes)" if check else ""))
+    shown = results[:top]
+    if all(r[0] != today for r in shown):
+        shown += [r for r in results if r[0] == today]
+    for bounds, fit_score, check_score in shown:
+        label = "today" if bounds == today else "     "
+        line = f"{label} {', '.join(str(v) for v in bounds.values()):>20}: "
+        line += "{:.3f} / {:.3f} ({})".format(*fit_score)
+        if check_score is not None:
+            line += "; {:.3f} / {:.3f} ({})".format(*check_score)
+        print(line)
+    if check:
+        best = max(results, key=lambda r: r[2][0])
+        print("best on the check set alone: "
+              f"{', '.join(str(v) for v in best[0].values())}: {best[2][0]:.3f}")
+
+
 def main(*argv: str) -> None:
     args = list(argv)
+    search = "--search-graph-bounds" in args
+    args = [a for a in args if a != "--search-graph-bounds"]
+    check: list[str] = []
+    if "--check" in args:
+        i = args.index("--check")
+        check = args[i + 1].split(",")
+        del args[i:i + 2]
     rule = next((r for r in RULES if f"--{r}" in args), "eager")
     args = [a for a in args if a.lstrip("-") not in RULES]
     vs = None
@@ -154,11 +240,15 @@ def main(*argv: str) -> None:
         node_us = float(args[i + 1])
         del args[i:i + 2]
     shapes_path, *paths = args
-    lens = {}
-    with open(shapes_path) as f:
-        for line in f:
-            d = json.loads(line)
-            lens[d["shape"]] = d["lens"]
+    lens: dict[str, list[int]] = {}
+    if shapes_path != "-":
+        with open(shapes_path) as f:
+            for line in f:
+                d = json.loads(line)
+                lens[d["shape"]] = d["lens"]
+    if search:
+        print_graph_bounds_search(paths, check, lens, vs)
+        return
     for path in paths:
         rs = ratios(path, lens, rule, vs, node_us)
         for kv in ("bf16", "fp8"):

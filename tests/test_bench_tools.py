@@ -6,6 +6,7 @@ engine ratios of ``summarize_engine``, and how the FlashMLA peer is timed and sc
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -569,6 +570,45 @@ def test_oracle_scores_the_faster_route_per_shape_plus_its_node_cost(tmp_path):
     assert got[0][0] == pytest.approx(21.0 / 22.0) and got[1][0] == pytest.approx(44.0 / 42.0)
     vs_fa3 = evaluate_policy.ratios(str(path), {}, "oracle", vs="peer:vllm-fa3-mla")
     assert sorted(r for r, _, _ in vs_fa3) == pytest.approx([21.0 / 20.0, 50.0 / 40.0])
+
+
+def test_graph_bounds_search_replays_each_bound_and_restores_the_policy(tmp_path):
+    """``evaluate_policy --search-graph-bounds``: each bound combination replays the
+    CUDA-graph rule (b40 goes to vLLM's FA3 kernel only under a batch bound of >= 40, b200
+    only under >= 256), the best fit comes first, the check files are scored under the same
+    bounds, and ``ops.policy``'s bounds are today's again afterwards."""
+    import evaluate_policy
+
+    from trtllm_mla_plugin.ops import policy
+
+    head = "pass_no,shape,heads,batch,q_len,block,kv,kernel,status,us\n"
+
+    def shape_rows(name: str, batch: int, fa3_us: float, flashmla_us: float) -> str:
+        row = f"1,h16 b{batch} {name} bf16 p64,16,{batch},1,64,bf16,"
+        return "".join(f"{row}{k},ok,{us}\n" for k, us in (
+            ("vllm-fa3-mla", fa3_us), ("flashmla", flashmla_us),
+            ("peer:vllm-fa3-mla", fa3_us), ("peer:vllm-flashmla", flashmla_us)))
+
+    fit = tmp_path / "random-1.csv"
+    fit.write_text(head + shape_rows("a", 40, 10.0, 20.0) + shape_rows("b", 200, 40.0, 20.0))
+    check = tmp_path / "random-2.csv"
+    check.write_text(head + shape_rows("c", 40, 30.0, 15.0))
+    today = {name: getattr(policy, name) for name in evaluate_policy.GRAPH_BOUND_GRID}
+    results = evaluate_policy.search_graph_bounds([str(fit)], [str(check)], {})
+    assert {name: getattr(policy, name) for name in today} == today
+    by_bounds = {tuple(b.values()): (f, c) for b, f, c in results}
+    assert len(by_bounds) == len(results) == math.prod(
+        len(v) for v in evaluate_policy.GRAPH_BOUND_GRID.values())
+    best_bounds, best_fit, best_check = results[0]
+    assert 40 <= best_bounds["VLLM_FA3_GRAPH_MAX_BATCH"] <= 192
+    assert best_fit == pytest.approx((1.0, 1.0, 2))  # the faster kernel on both shapes
+    assert best_check == pytest.approx((0.5, 0.5, 1))  # b40 on FA3, here 2x slower
+    # Today's bounds (32 requests): both shapes on FlashMLA, the check shape too.
+    fit_today, check_today = by_bounds[tuple(today.values())]
+    assert fit_today == pytest.approx((math.sqrt(0.5), 0.5, 2))
+    assert check_today == pytest.approx((1.0, 1.0, 1))
+    # A bound of 256 requests sends b200 to FA3 as well.
+    assert by_bounds[(256, 1 << 30, 0)][0] == pytest.approx((math.sqrt(0.5), 0.5, 2))
 
 
 def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, capsys):

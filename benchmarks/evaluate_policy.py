@@ -198,6 +198,7 @@ def search_graph_bounds(fit: Sequence[str], check: Sequence[str], lens: dict[str
 
 def print_graph_bounds_search(fit: Sequence[str], check: Sequence[str],
                               lens: dict[str, list[int]], vs: str | None, top: int = 12) -> None:
+    """The ``top`` bounds by fit geomean and today's, each with its fit and check scores."""
     today = {name: getattr(policy, name) for name in GRAPH_BOUND_GRID}
     results = search_graph_bounds(fit, check, lens, vs)
     print("max batch, max rows, max rows per request: fit geomean / worst (shapes)"

@@ -43,7 +43,7 @@ from decode_kernels import (  # this folder is on sys.path when a file of it run
     vllm_fa3_scheduler_metadata,
 )
 
-from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype, policy
 from trtllm_mla_plugin.ops.platform import platform_of
 
 #: (route, KV dtype, host lengths given)
@@ -116,7 +116,7 @@ class VllmFlashMLAFP8BuilderPlan:
         self.interface = interface or importlib.import_module(FLASHMLA_MODULE)
         self.spec = spec
         sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else 132)
+               if device.type == "cuda" else policy.HOPPER_SMS)
         self.tiles = torch.zeros(sms, 8, dtype=torch.int32, device=device)
         self.splits = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
         self.cu_host = torch.arange(max_batch + 1, dtype=torch.int32)

@@ -118,11 +118,13 @@ def timed_rows(path: str) -> dict[str, dict[str, dict]]:
 
 
 def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
-           vs: str | None = None, node_us: float = 0.0) -> list[tuple[float, str, str]]:
+           vs: str | None = None, node_us: float = 0.0,
+           rows: dict[str, dict[str, dict]] | None = None) -> list[tuple[float, str, str]]:
     """Per scored shape (best peer's time / the plugin's, shape, the plugin's row); with
-    rule ``oracle``, ``node_us`` is added to the plugin's time."""
+    rule ``oracle``, ``node_us`` is added to the plugin's time. ``rows``: the file's
+    ``timed_rows`` where already read."""
     out = []
-    for shape, ks in timed_rows(path).items():
+    for shape, ks in (rows if rows is not None else timed_rows(path)).items():
         peers = {n: float(r["us"]) for n, r in ks.items()
                  if n.startswith("peer:") and "sorted" not in n}
         if vs is not None:
@@ -170,14 +172,20 @@ def graph_bounds(bounds: dict[str, int]) -> Iterator[None]:
             setattr(policy, name, value)
 
 
-def score(paths: Sequence[str], lens: dict[str, list[int]], rule: str = "graph",
-          vs: str | None = None) -> tuple[float, float, int]:
-    """Geometric mean and worst of the bf16 ratios of ``ratios`` over all ``paths``
-    together, and their number."""
-    rs = [x[0] for path in paths for x in ratios(path, lens, rule, vs) if " bf16 " in x[1]]
-    if not rs:
-        raise ValueError(f"no bf16 shape with peers to score in {', '.join(paths)}")
+def summary(rs: Sequence[float]) -> tuple[float, float, int]:
+    """Geometric mean, worst and number of ratios."""
     return math.exp(sum(map(math.log, rs)) / len(rs)), min(rs), len(rs)
+
+
+def score(files: dict[str, dict[str, dict[str, dict]]], lens: dict[str, list[int]],
+          rule: str = "graph", vs: str | None = None) -> tuple[float, float, int]:
+    """``summary`` of the bf16 ratios of ``ratios`` over all ``files`` (path: its
+    ``timed_rows``) together."""
+    rs = [x[0] for path, rows in files.items()
+          for x in ratios(path, lens, rule, vs, rows=rows) if " bf16 " in x[1]]
+    if not rs:
+        raise ValueError(f"no bf16 shape with peers to score in {', '.join(files)}")
+    return summary(rs)
 
 
 def search_graph_bounds(fit: Sequence[str], check: Sequence[str], lens: dict[str, list[int]],
@@ -187,12 +195,14 @@ def search_graph_bounds(fit: Sequence[str], check: Sequence[str], lens: dict[str
     and check files: ``(bounds, fit score, check score or None)``, best fit geomean first.
     The graph rule reads no lengths: ``lens`` may leave shapes out."""
     lens = defaultdict(list, lens)
+    fit_rows = {path: timed_rows(path) for path in fit}
+    check_rows = {path: timed_rows(path) for path in check}
     results = []
     for values in itertools.product(*GRAPH_BOUND_GRID.values()):
         bounds = dict(zip(GRAPH_BOUND_GRID, values, strict=True))
         with graph_bounds(bounds):
-            results.append((bounds, score(fit, lens, "graph", vs),
-                            score(check, lens, "graph", vs) if check else None))
+            results.append((bounds, score(fit_rows, lens, "graph", vs),
+                            score(check_rows, lens, "graph", vs) if check else None))
     return sorted(results, key=lambda r: -r[1][0])
 
 
@@ -256,9 +266,9 @@ def main(*argv: str) -> None:
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:
                 continue
-            geo = math.exp(sum(math.log(x[0]) for x in sel) / len(sel))
+            geo, worst, n = summary([x[0] for x in sel])
             low = sorted(x for x in sel if x[0] < 0.95)
-            print(f"{path} {kv}: {len(sel)} shapes, worst {min(sel)[0]:.3f}, "
+            print(f"{path} {kv}: {n} shapes, worst {worst:.3f}, "
                   f"geomean {geo:.3f}, under 0.95: {len(low)}")
             for ratio, shape, name in low:
                 print(f"    {ratio:.3f} {shape} ({name})")

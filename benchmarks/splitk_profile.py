@@ -14,7 +14,7 @@ Variants (builds of the same source with a diagnostic define, or launches left o
 
 Usage (GPU machine)::
 
-    python benchmarks/splitk_profile.py [--configs "4,1,4;2,2,4;0,0,4,8"] [--shapes 0,1,2]
+    python benchmarks/splitk_profile.py [--configs "4,1,4;2,2,4;0,0,4,8;0,0,4,0,0"] [--shapes 0,1,2]
     python benchmarks/splitk_profile.py --eager SHAPE_INDEX   # 3 plain calls, for ncu
 
 Times: median of CUDA-graph replays of ``REPS_PER_GRAPH`` calls over rotating cache copies
@@ -52,6 +52,10 @@ SHAPES = [
     (16, 64, 4 * K, "r", 2, BF, 64),
     (16, 64, 4 * K, "r", 1, F8, 64),
     (16, 128, 8 * K, "r", 1, F8, 64),
+    # one long request among short ones: cut into ~70 pieces, merged by the combine
+    (16, 96, 64 * K, "o0.03", 1, BF, 64),
+    (16, 128, 32 * K, "o0.06", 1, BF, 64),
+    (8, 128, 64 * K, "o0.03", 2, BF, 64),
 ]
 COLUMNS = ("full", "decode", "empty", "no-math", "no-kv")
 VARIANTS = {"empty": ("SPLITK_DIAG_EMPTY",), "no-math": ("SPLITK_DIAG_SKIP_MATH",),
@@ -83,8 +87,9 @@ def time_variants(case, config: SplitKConfig,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="0,0,4;4,1,4",
-                    help="stages,ctas_per_sm,min_tiles[,fuse_max_splits]; ... (0: the "
-                         "kernel's default; fuse_max_splits: the fused-merge build)")
+                    help="stages,ctas_per_sm,min_tiles[,fuse_max_splits[,helped_requests]]; "
+                         "... (0: the kernel's default; fuse_max_splits: the fused-merge build; "
+                         "helped_requests: heavy requests given helper combine CTAs, default 4)")
     ap.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
     ap.add_argument("--eager", type=int, default=None,
                     help="run shape INDEX three times without graphs (under ncu) and exit")
@@ -109,15 +114,18 @@ def main() -> None:
         case = make_case(SHAPES[i], 1, device)
         nbytes, _ = bytes_flops(case)
         at_copy = nbytes / (copy_gbps * 1e3)
-        for stages, ctas, min_tiles, *fused in configs:
+        for stages, ctas, min_tiles, *rest in configs:
+            fused, helped = [*rest, 0, SplitKConfig.helped_requests][:2]
             config = SplitKConfig(stages=stages or None, ctas_per_sm=ctas or None,
-                                  min_tiles=min_tiles, fuse_max_splits=fused[0] if fused else 0)
+                                  min_tiles=min_tiles, fuse_max_splits=fused,
+                                  helped_requests=helped)
             try:
                 times, (depth, ctas) = time_variants(case, config, modules)
             except ValueError as e:  # e.g. a depth not compiled for this cache dtype
                 print(f"{case.name:34s} {config}: {e}")
                 continue
-            tag = f"s{depth}c{ctas}m{min_tiles}" + (f"f{fused[0]}" if fused else "")
+            tag = (f"s{depth}c{ctas}m{min_tiles}" + (f"f{fused}" if fused else "")
+                   + (f"h{helped}" if helped != SplitKConfig.helped_requests else ""))
             print(f"{case.name:34s} {tag:8s} {at_copy:8.1f} "
                   + " ".join(f"{times[c]:8.1f}" for c in COLUMNS), flush=True)
         del case

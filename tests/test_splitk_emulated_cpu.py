@@ -66,7 +66,7 @@ def emulate(exe: Path, tmp: Path, p, *, num_ctas: int, min_tiles: int, stages: i
     spec, batch = p.spec, p.batch
     b, heads = batch.batch_size, spec.num_heads
     if combine_ctas is None:
-        combine_ctas = sk.COMBINE_CHUNKS * b
+        combine_ctas = sk.COMBINE_CHUNKS * b + sk.SplitKConfig().helped_requests * sk.HELPER_PARTS
     fp8 = spec.fp8_kv
     groups = sk.row_groups(heads, spec.max_q_len)
     cu = batch.cu_seqlens_q
@@ -108,6 +108,11 @@ CASES = [
     ("fp8-h32-q2-page32", 32, 32, [2, 400, 70], 2, BF16, FP8, KVScales(1.0, 0.25, 0.5), 4,
      1, 4),
     ("fp8-fp16-query", 16, 64, [200, 31], 1, FP16, FP8, KVScales(0.5, 2.0, 2.0), 3, 1, 8),
+    # requests cut into more than HEAVY_SPLITS pieces: the first four merged by helper
+    # items (32 columns each), the fifth by its own four items
+    ("five-heavy-requests", 16, 64, [700, 40, 700, 700, 5, 700, 700, 64, 300], 1, BF16,
+     BF16, None, 100, 1, 2),
+    ("heavy-h32-q2-two-head-blocks", 32, 64, [900, 10, 900], 2, BF16, BF16, None, 40, 1, 4),
 ]
 
 
@@ -151,6 +156,17 @@ def test_many_short_requests_per_cta(emulator, tmp_path):
     p = make_problem(heads=16, block=32, lens=lens, q_lens=1, dtype=BF16, kv_dtype=BF16,
                      device=CPU, generator=gen)
     out = emulate(emulator, tmp_path, p, num_ctas=3, min_tiles=1, stages=2, combine_ctas=3)
+    rel, worst = errors(out, reference(p))
+    assert rel < 1e-2 and worst < 2e-2, (rel, worst)
+
+
+def test_heavy_requests_with_a_small_combine_grid(emulator, tmp_path):
+    """Helper items reached by the combine's stride loop: a grid of 5 CTAs over the 36
+    regular and 64 helper items of five heavy requests."""
+    torch.manual_seed(5)
+    p = make_problem(heads=16, block=64, lens=[700, 40, 700, 700, 5, 700, 700, 64, 300],
+                     q_lens=1, dtype=BF16, kv_dtype=BF16, device=CPU)
+    out = emulate(emulator, tmp_path, p, num_ctas=100, min_tiles=1, stages=2, combine_ctas=5)
     rel, worst = errors(out, reference(p))
     assert rel < 1e-2 and worst < 2e-2, (rel, worst)
 

@@ -163,6 +163,26 @@ def test_schedule_covers_every_tile_once_and_combines_what_was_written(harness, 
         assert all(0 <= slot < 2 * num_ctas for slot in all_slots)
 
 
+def test_host_sizes_the_combine_as_the_kernel_reads_it():
+    """The combine grid (4 items per request, then helper items) and its shared memory
+    (weights, then the heavy-request search) come from constants the host repeats: they
+    must be the kernel's."""
+    source = sk.SOURCE.read_text()
+
+    def constant(name: str) -> int:
+        return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
+
+    def define(name: str) -> int:
+        return int(re.search(rf"#define {name} (\d+)", source).group(1))
+
+    assert constant("kHeavySplits") == sk.HEAVY_SPLITS
+    assert constant("kHelperParts") == sk.HELPER_PARTS
+    assert sk.COMBINE_CHUNKS * 128 == sk.KV_LORA_RANK
+    assert sk.SplitKConfig().helped_requests == define("SPLITK_HELPED_REQUESTS")
+    assert sk.SCAN_INTS >= 130 and "130 ints" in source
+    assert sk.build_defines(sk.SplitKConfig(helped_requests=0)) == ("SPLITK_HELPED_REQUESTS=0",)
+
+
 def _c_struct_layout(tmp_path: Path) -> tuple[int, dict[str, int]]:
     source = sk.SOURCE.read_text()
     struct = re.search(r"struct SplitKParams \{.*?\};", source, re.S).group(0)

@@ -108,6 +108,7 @@ inline u32 float_to_bits(float f) {
 inline float __int_as_float(int b) { return bits_to_float(static_cast<u32>(b)); }
 inline float __uint_as_float(u32 b) { return bits_to_float(b); }
 inline float __log2f(float x) { return std::log2(x); }
+inline int __popc(u32 v) { return __builtin_popcount(v); }
 template <typename T>
 inline T __ldg(const T* p) { return *p; }
 template <typename T>

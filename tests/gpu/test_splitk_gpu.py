@@ -3,11 +3,13 @@ request cut over every CTA, the largest batch it takes, query rows that do not f
 16-row tile, every launch configuration, and seeded random batches of up to 512 requests
 (the route sweep in test_reliability_gpu.py stops at 32); FP8 caches read with the bf16
 query at bf16-query accuracy (issue 11's aim: <= 5e-3 relative); the fused-merge build
-(``SplitKConfig.fuse_max_splits``, not the default), replayed in a CUDA graph. All against
-float64."""
+(``SplitKConfig.fuse_max_splits``, not the default), replayed in a CUDA graph; heavy
+requests (one long request among short ones, cut into more than ``HEAVY_SPLITS`` pieces)
+merged by the combine's helper CTAs. All against float64."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 from trtllm_mla_plugin.ops import KVScales
 from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import (
+    HEAVY_SPLITS,
     SplitKConfig,
     SplitKMLADecode,
 )
@@ -55,6 +58,37 @@ def test_one_request_cut_over_every_cta(heads: int, q_len: int) -> None:
     p = make_problem(heads=heads, block=64, lens=[65536 if heads == 16 else 16384],
                      q_lens=q_len, dtype=BF16, kv_dtype=BF16, device=DEVICE)
     _check(p, tag=f"h{heads} q{q_len} one long request")
+
+
+@pytest.mark.parametrize("heads,q_len,heavy", [(16, 1, 1), (16, 1, 6), (8, 2, 3), (32, 1, 2),
+                                              (128, 2, 1)])
+def test_heavy_requests_merged_by_helpers(heads: int, q_len: int, heavy: int) -> None:
+    """``heavy`` long requests among 90 short ones, each cut into more than HEAVY_SPLITS
+    pieces (the first four merged by helper CTAs, any more by their own items): float64,
+    and bit-equal to the build without helpers (the same sums in the same order)."""
+    rng = random.Random(heads * 10 + heavy)
+    lens = [rng.randint(200, 2500) for _ in range(90)]
+    for i in rng.sample(range(len(lens)), heavy):
+        lens[i] = 32768
+    p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_len, dtype=BF16,
+                     kv_dtype=BF16, device=DEVICE)
+    if (reason := route_skip_reason("cuda-splitk", p.spec, DEVICE)) is not None:
+        pytest.skip(reason)
+    kernel = SplitKMLADecode(DEVICE, heads, q_len, 64, len(lens), BF16)
+    kernel.plan(p.batch.seq_lens)
+    prefix = kernel.tile_prefix[: len(lens) + 1].tolist()
+    total = prefix[-1]
+    active = min(kernel.num_ctas, -(-total // kernel.config.min_tiles))
+
+    def cta_of(tile: int) -> int:  # the kernel's cta_of
+        return ((tile + 1) * active - 1) // total
+
+    cut = [cta_of(b - 1) - cta_of(a) + 1 for a, b in itertools.pairwise(prefix)]
+    assert sum(c > HEAVY_SPLITS for c in cut) >= heavy, cut  # the case is what it says
+    _check(p, tag=f"h{heads} q{q_len} {heavy} heavy")
+    with_helpers = splitk_decode(p)
+    without = splitk_decode(p, SplitKConfig(helped_requests=0))
+    assert torch.equal(with_helpers, without)
 
 
 def test_largest_batch_it_takes() -> None:

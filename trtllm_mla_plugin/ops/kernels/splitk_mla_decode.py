@@ -36,6 +36,11 @@ TILE_TOKENS = 32
 MAX_BATCH = 1024
 #: The combine kernel's work items per request: 128-column chunks of the 512 latent columns.
 COMBINE_CHUNKS = 4
+#: Helper items per heavy request (a request cut into more pieces than ``HEAVY_SPLITS``):
+#: 32-column parts, merged by 16 CTAs instead of 4 (``cuda/splitk_mla_decode.cu``).
+HELPER_PARTS, HEAVY_SPLITS = 16, 16
+#: Shared memory of the combine's heavy-request search (ints).
+SCAN_INTS = 130
 MAX_GRID_X = 2**31 - 1
 LOG2E = 1.4426950408889634
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -87,12 +92,17 @@ class SplitKConfig:
             kernel after the whole grid (a separate build, ``SPLITK_FUSE_MAX_SPLITS``); 0:
             every cut request by the combine kernel. Correct on the H200 but slower on
             every shape measured (run 55, docs/benchmarks.md), so not the default.
+        helped_requests: heavy requests (cut into more than ``HEAVY_SPLITS`` pieces, e.g. one
+            long request among short ones) merged by ``HELPER_PARTS`` combine CTAs each
+            instead of four: the first this many in batch order (0: none; a separate build,
+            ``SPLITK_HELPED_REQUESTS``).
     """
 
     stages: int | None = None
     ctas_per_sm: int | None = None
     min_tiles: int = 4
     fuse_max_splits: int = 0
+    helped_requests: int = 4
 
 
 def default_launch(groups: int, fp8_kv: bool) -> tuple[int, int]:
@@ -145,7 +155,14 @@ def build_defines(config: SplitKConfig) -> tuple[str, ...]:
     """Preprocessor defines of the build ``config`` launches (none for the default)."""
     if config.fuse_max_splits < 0:
         raise ValueError(f"fuse_max_splits={config.fuse_max_splits}: 0 or more")
-    return (f"SPLITK_FUSE_MAX_SPLITS={config.fuse_max_splits}",) if config.fuse_max_splits else ()
+    if config.helped_requests < 0:
+        raise ValueError(f"helped_requests={config.helped_requests}: 0 or more")
+    defines = []
+    if config.fuse_max_splits:
+        defines.append(f"SPLITK_FUSE_MAX_SPLITS={config.fuse_max_splits}")
+    if config.helped_requests != SplitKConfig.helped_requests:
+        defines.append(f"SPLITK_HELPED_REQUESTS={config.helped_requests}")
+    return tuple(defines)
 
 
 @cache
@@ -195,7 +212,7 @@ class SplitKMLADecode:
             raise ValueError(f"fuse_max_splits={self.config.fuse_max_splits}: the merge "
                              "weights must fit in the pipeline's shared memory")
         self.decode_shared = decode_shared_bytes(stages, self.groups, self.fp8_kv)
-        self.combine_shared = self.num_ctas * rows * 4
+        self.combine_shared = (self.num_ctas * rows + SCAN_INTS) * 4
         self.use_module(_module(index, build_defines(self.config)))
         #: [max_batch + 1] prefix sums of each request's 32-token tiles, written by ``plan``.
         self.tile_prefix = torch.zeros(max_batch + 1, dtype=torch.int32, device=self.device)
@@ -266,9 +283,10 @@ class SplitKMLADecode:
                             self.decode_shared, p)
 
     def launch_combine(self, p: SplitKParams) -> None:
-        # One CTA per (request, 128-column chunk): an item without partials exits before
-        # waiting for the decode grid.
-        items = min(COMBINE_CHUNKS * max(p.batch, 1), MAX_GRID_X)
+        # One CTA per (request, 128-column chunk) and per helper item: an item without
+        # partials exits before waiting for the decode grid.
+        items = min(COMBINE_CHUNKS * max(p.batch, 1)
+                    + self.config.helped_requests * HELPER_PARTS, MAX_GRID_X)
         self._module.launch(self._combine, (items, self.head_blocks), 128,
                             self.combine_shared, p, programmatic=True)
 

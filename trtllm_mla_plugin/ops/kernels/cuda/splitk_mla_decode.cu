@@ -52,6 +52,13 @@ constexpr int kMaxBatch = 1024;
 constexpr int kRowBytes8 = kHeadDim;             // 576
 constexpr int kChunks8 = kHeadDim / 16;          // 36
 constexpr int kTileBytes8 = kTile * kRowBytes8;  // 18432
+// Combine: requests cut into more than kHeavySplits pieces get kHelperParts helper items.
+constexpr int kHeavySplits = 16;
+constexpr int kHelperParts = 16;
+// Combine CTAs per SM the registers must allow, by row groups: one row group fits four in
+// 128 registers without spilling (the helper path would otherwise take it to 164 and three),
+// two fit three in 167.
+constexpr int kCombineCtasPerSm[3] = {0, 4, 3};
 
 }  // namespace
 
@@ -82,6 +89,12 @@ struct SplitKParams {
 // the combine kernel).
 #ifndef SPLITK_FUSE_MAX_SPLITS
 #define SPLITK_FUSE_MAX_SPLITS 0
+#endif
+// Heavy requests (cut into more than kHeavySplits pieces, e.g. one long request among short
+// ones): the first SPLITK_HELPED_REQUESTS of them in batch order are merged by kHelperParts
+// combine items each instead of four (0: none).
+#ifndef SPLITK_HELPED_REQUESTS
+#define SPLITK_HELPED_REQUESTS 4
 #endif
 
 namespace {
@@ -334,41 +347,45 @@ __device__ __forceinline__ void merge_weights(const SplitKParams& p, i64 base, i
   __syncthreads();
 }
 
-template <bool FP16, int NT, int ROWS, typename SlotOf>
+// COLS output columns (128, or a helper's 32) of a cut request's ROWS rows, by NT threads:
+// COLS / 4 threads per row (a float4 each), NT / (COLS / 4) rows per pass.
+template <bool FP16, int NT, int ROWS, int COLS, typename SlotOf>
 __device__ __forceinline__ void merge_columns(const SplitKParams& p, i64 base, int splits,
                                               SlotOf slot_of, const float* s_w, int col0,
                                               i64 qrow0, int qrows, int hb) {
-  constexpr int kWarps = NT / 32, kRowsPerWarp = ROWS / kWarps;
-  constexpr int kBatchSplits = 16 / kRowsPerWarp;  // splits loaded together (16 float4 each)
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int col = col0 + lane * 4;
+  constexpr int kColThreads = COLS / 4, kRowsPerPass = NT / kColThreads;
+  constexpr int kRowsPerThread = ROWS / kRowsPerPass;
+  static_assert(kRowsPerThread >= 1 && ROWS % kRowsPerPass == 0, "rows per pass");
+  constexpr int kBatchSplits = 16 / kRowsPerThread;  // splits loaded together (16 float4 each)
+  const int row0 = threadIdx.x / kColThreads;
+  const int col = col0 + (threadIdx.x % kColThreads) * 4;
   // Every row's loads of a batch of splits are issued before any output is stored (a
   // store in between would keep the compiler from hoisting the next row's loads).
-  float4 acc[kRowsPerWarp];
+  float4 acc[kRowsPerThread];
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = 0; i < kRowsPerThread; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int s0 = 0; s0 < splits; s0 += kBatchSplits) {
-    float4 v[kRowsPerWarp][kBatchSplits];
+    float4 v[kRowsPerThread][kBatchSplits];
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i)
+    for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
       for (int u = 0; u < kBatchSplits; ++u)
         v[i][u] = s0 + u < splits
                       ? __ldcg(reinterpret_cast<const float4*>(
-                            p.part_o + ((base + slot_of(s0 + u)) * ROWS + warp + kWarps * i) * kLatent + col))
+                            p.part_o + ((base + slot_of(s0 + u)) * ROWS + row0 + kRowsPerPass * i) * kLatent + col))
                       : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i)
+    for (int i = 0; i < kRowsPerThread; ++i)
 #pragma unroll
       for (int u = 0; u < kBatchSplits; ++u) {
-        const float w = s0 + u < splits ? s_w[(s0 + u) * ROWS + warp + kWarps * i] : 0.f;
+        const float w = s0 + u < splits ? s_w[(s0 + u) * ROWS + row0 + kRowsPerPass * i] : 0.f;
         acc[i].x += w * v[i][u].x; acc[i].y += w * v[i][u].y;
         acc[i].z += w * v[i][u].z; acc[i].w += w * v[i][u].w;
       }
   }
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int rr = hb * ROWS + warp + kWarps * i;
+  for (int i = 0; i < kRowsPerThread; ++i) {
+    const int rr = hb * ROWS + row0 + kRowsPerPass * i;
     if (rr >= qrows) continue;
     u16* dst = p.out + (qrow0 + rr) * kLatent + col;
     *reinterpret_cast<uint2*>(dst) =
@@ -774,8 +791,8 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
       const i64 qrow0 = static_cast<i64>(s_cuq[r]) * p.heads;
       merge_weights<NT, ROWS>(p, base, splits, slot_of, s_weights);
       for (int chunk = 0; chunk < kLatent / 128; ++chunk)
-        merge_columns<FP16, NT, ROWS>(p, base, splits, slot_of, s_weights, chunk * 128, qrow0,
-                                      qrows, hb);
+        merge_columns<FP16, NT, ROWS, 128>(p, base, splits, slot_of, s_weights, chunk * 128,
+                                           qrow0, qrows, hb);
       if (tid == 0) *count = 0;  // ready for the next launch
     }
     __syncthreads();  // s_last and s_weights are rewritten for the next request
@@ -783,48 +800,135 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
 #endif
 }
 
+// Heavy requests among requests [0, n), by the whole CTA (128 threads, barriers inside):
+// with want >= 0 the index of the want-th (-1 when there are fewer), else how many.
+// s_scan: 130 ints of shared memory. One round of loads (8 requests per thread at most);
+// the count and search run only when some request is heavy.
+__device__ __forceinline__ int heavy_requests(const SplitKParams& p, int n, int want,
+                                              int total, int active, int* s_scan) {
+  constexpr int kPer = kMaxBatch / 128;
+  const int tid = threadIdx.x;
+  const int per = (n + 127) / 128;
+  const int lo = min(n, tid * per), hi = min(n, lo + per);
+  int pref[kPer + 1];
+#pragma unroll
+  for (int i = 0; i <= kPer; ++i) pref[i] = lo + i <= hi ? p.tile_prefix[lo + i] : 0;
+  unsigned heavy = 0;  // bit i: request lo + i
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int tiles = pref[i + 1] - pref[i];
+    // A request is cut into at most tiles * active / total + 2 pieces: the exact count
+    // (two 64-bit divisions) only for the few that can be heavy.
+    if (lo + i < hi &&
+        static_cast<i64>(tiles) * active > static_cast<i64>(kHeavySplits - 2) * total &&
+        cta_of(pref[i + 1] - 1, total, active) - cta_of(pref[i], total, active) + 1 >
+            kHeavySplits)
+      heavy |= 1u << i;
+  }
+  if (tid == 0) s_scan[129] = 0;
+  __syncthreads();
+  if (heavy) s_scan[129] = 1;
+  s_scan[tid] = __popc(heavy);
+  __syncthreads();
+  if (!s_scan[129]) {
+    __syncthreads();  // s_scan is rewritten by the next call
+    return want < 0 ? 0 : -1;
+  }
+  if (tid == 0) {
+    int run = 0;
+    for (int t = 0; t < 128; ++t) {
+      const int c = s_scan[t];
+      s_scan[t] = run;
+      run += c;
+    }
+    s_scan[128] = run;
+  }
+  __syncthreads();
+  const int before = s_scan[tid], count = __popc(heavy), all = s_scan[128];
+  __syncthreads();
+  if (tid == 0) s_scan[0] = -1;
+  __syncthreads();
+  if (want >= before && want < before + count) {
+    int k = before;
+    for (int i = 0; i < kPer; ++i)
+      if ((heavy >> i) & 1u) {
+        if (k == want) s_scan[0] = lo + i;
+        ++k;
+      }
+  }
+  __syncthreads();
+  const int found = s_scan[0];
+  __syncthreads();
+  return want < 0 ? all : found;
+}
+
 // Combines the partials of every request cut by range borders (into more than
-// SPLITK_FUSE_MAX_SPLITS pieces). Work item = (request, 128-column chunk), one per CTA (the
-// grid covers them; a stride loop keeps any grid correct). The schedule (tile prefix sums,
-// query offsets: written before the decode launch) is read before waiting for the decode
-// grid, so an item that has nothing to combine exits and the rest overlap the decode's
-// tail; after the wait, one round of loads for the log-sum-exps and one for the partial
-// outputs. Requests without keys (an engine's padding rows) get zeros rather than stale
-// memory, so nothing undefined flows into the layers after attention.
+// SPLITK_FUSE_MAX_SPLITS pieces). Work items: SPLITK_HELPED_REQUESTS x kHelperParts helper
+// items (heavy request, 32-column part), then (request, 128-column chunk): one
+// per CTA (the grid covers them; a stride loop keeps any grid correct). A request cut into
+// more than kHeavySplits pieces, among the first SPLITK_HELPED_REQUESTS such, is merged by
+// its helper items, so that its many partials are read by 16 CTAs rather than 4 (one 64k
+// request among 2k ones is cut ~70 ways). The schedule (tile prefix sums, query offsets:
+// written before the decode launch) is read before waiting for the decode grid, so an item
+// that has nothing to combine exits and the rest overlap the decode's tail; after the wait,
+// one round of loads for the log-sum-exps and one per batch of partial outputs. Requests
+// without keys (an engine's padding rows) get zeros rather than stale memory, so nothing
+// undefined flows into the layers after attention.
 template <bool FP16, int RG>
 __device__ __forceinline__ void combine_body(const SplitKParams& p) {
   constexpr int ROWS = 16 * RG;
-  constexpr int kRowsPerWarp = ROWS / 4;
-  extern __shared__ __align__(16) float s_w[];  // [splits][ROWS] weights
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int kChunks = kLatent / 128;
+  constexpr int kHelperCols = kLatent / kHelperParts;
+  // [splits][ROWS] weights, then the heavy-request search's 130 ints
+  extern __shared__ __align__(16) float s_w[];
+  int* s_scan = reinterpret_cast<int*>(s_w + p.num_ctas * ROWS);
   const int hb = blockIdx.y;
   const int total = p.tile_prefix[p.batch];
   const int active = total > 0 ? active_ctas(total, p.num_ctas, p.min_tiles) : 1;
+  // Helper items first: CTAs start in index order, so their search runs while the decode
+  // grid drains (before the wait) rather than after the regular items.
+  constexpr int kHelpers = SPLITK_HELPED_REQUESTS * kHelperParts;
 
-  for (int item = blockIdx.x; item < p.batch * 4; item += gridDim.x) {
-    const int req = item >> 2, chunk = item & 3;
+  for (int item = blockIdx.x; item < kHelpers + p.batch * kChunks; item += gridDim.x) {
+    const bool helper = item < kHelpers;
+    int req, col0;
+    if (helper) {
+      req = heavy_requests(p, p.batch, item / kHelperParts, total, active, s_scan);
+      if (req < 0) continue;
+      col0 = (item % kHelperParts) * kHelperCols;
+    } else {
+      req = (item - kHelpers) / kChunks;
+      col0 = (item - kHelpers) % kChunks * 128;
+    }
     const int first = p.tile_prefix[req], tiles = p.tile_prefix[req + 1] - first;
     const int qrows = (p.cu_q[req + 1] - p.cu_q[req]) * p.heads;
     const i64 qrow0 = static_cast<i64>(p.cu_q[req]) * p.heads;
-    const int col = chunk * 128 + lane * 4;
     if (tiles <= 0) {  // the decode never writes these rows: no need to wait for it
 #pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int rr = hb * ROWS + warp + 4 * i;
+      for (int i = 0; i < ROWS / 4; ++i) {
+        const int rr = hb * ROWS + (threadIdx.x >> 5) + 4 * i;
         if (rr < qrows)
-          *reinterpret_cast<uint2*>(p.out + (qrow0 + rr) * kLatent + col) = make_uint2(0u, 0u);
+          *reinterpret_cast<uint2*>(p.out + (qrow0 + rr) * kLatent + col0 +
+                                    (threadIdx.x & 31) * 4) = make_uint2(0u, 0u);
       }
       continue;
     }
     const int c_first = cta_of(first, total, active);
     const int splits = cta_of(first + tiles - 1, total, active) - c_first + 1;
     if (splits <= 1 || splits <= SPLITK_FUSE_MAX_SPLITS) continue;
+    if (!helper && splits > kHeavySplits &&
+        heavy_requests(p, req, -1, total, active, s_scan) < SPLITK_HELPED_REQUESTS)
+      continue;  // its helper items merge it
     const i64 base = static_cast<i64>(hb) * 2 * p.num_ctas;
     auto slot_of = [&](int s) { return split_slot(s, c_first, first, total, active); };
     wait_for_prior_grid();  // the partials are the decode grid's (returns at once when repeated)
     merge_weights<128, ROWS>(p, base, splits, slot_of, s_w);
-    merge_columns<FP16, 128, ROWS>(p, base, splits, slot_of, s_w, chunk * 128, qrow0, qrows,
-                                   hb);
+    if (!helper)
+      merge_columns<FP16, 128, ROWS, 128>(p, base, splits, slot_of, s_w, col0, qrow0, qrows,
+                                          hb);
+    else
+      merge_columns<FP16, 128, ROWS, kHelperCols>(p, base, splits, slot_of, s_w, col0, qrow0,
+                                                  qrows, hb);
     __syncthreads();  // s_w is rewritten by the next item
   }
 }
@@ -838,7 +942,7 @@ __device__ __forceinline__ void combine_body(const SplitKParams& p) {
     decode_body<FP16, KV8, RG, STAGES>(p);                                                 \
   }
 #define SPLITK_COMBINE(NAME, FP16, RG)                                                     \
-  extern "C" __global__ void __launch_bounds__(128)                                        \
+  extern "C" __global__ void __launch_bounds__(128, kCombineCtasPerSm[RG])                \
       splitk_mla_combine_##NAME##_rg##RG(const SplitKParams p) {                           \
     combine_body<FP16, RG>(p);                                                             \
   }

@@ -320,6 +320,23 @@ def planned_splitk(case: Case, config=None) -> tuple:
     return kernel, cu_q, out
 
 
+def splitk_call(case: Case, config=None) -> tuple:
+    """``planned_splitk``'s kernel and a call of it over one cache: ``(kernel,
+    call(cache, combine=True) -> output, output)``; ``combine=False`` launches the decode
+    grid alone (what a call costs without the combine)."""
+    kernel, cu_q, out = planned_splitk(case, config)
+
+    def call(cache: torch.Tensor, combine: bool = True) -> torch.Tensor:
+        p = kernel.launch_params(case.query, cache, case.batch.block_table,
+                                 case.batch.seq_lens, cu_q, out, case.spec.softmax_scale)
+        kernel.launch_decode(p)
+        if combine:
+            kernel.launch_combine(p)
+        return out
+
+    return kernel, call, out
+
+
 def splitk_label(stages: int, ctas_per_sm: int, min_tiles: int, fuse_max_splits: int = 0
                  ) -> str:
     """Row name of a split-KV launch configuration: ``splitk[s{stages}c{ctas}m{min_tiles}]``,
@@ -343,10 +360,5 @@ def splitk_kernel(case: Case, stages: int, ctas_per_sm: int, min_tiles: int,
 
     config = SplitKConfig(stages=stages or None, ctas_per_sm=ctas_per_sm or None,
                           min_tiles=min_tiles, fuse_max_splits=fuse_max_splits)
-    kernel, cu_q, out = planned_splitk(case, config)
-
-    def call(cache: torch.Tensor) -> torch.Tensor:
-        return kernel.run(case.query, cache, case.batch.block_table, case.batch.seq_lens,
-                          cu_q, out, spec.softmax_scale)
-
+    _, call, out = splitk_call(case, config)
     return Kernel(name, call, out=out, obj=config)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import BF, F8, K, bytes_flops, ceilings, make_case, time_graph
-from decode_kernels import planned_splitk
+from decode_kernels import splitk_call
 
 from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig
 
@@ -45,23 +45,11 @@ def compare(shape: tuple, device: torch.device, copy_gbps: float) -> str:
     """One CSV line for ``shape``."""
     case = make_case(shape, 1, device)
     nbytes, _ = bytes_flops(case)
-    table, lens = case.batch.block_table, case.batch.seq_lens
-    calls, decodes, outs = {}, {}, {}
+    calls, outs = {}, {}
     for helped in HELPED:
-        k, cu_q, out = planned_splitk(case, SplitKConfig(helped_requests=helped))
-        outs[helped] = out
-
-        def call(cache, k=k, cu_q=cu_q, out=out):
-            return k.run(case.query, cache, table, lens, cu_q, out, case.spec.softmax_scale)
-
-        def decode(cache, k=k, cu_q=cu_q, out=out):
-            k.launch_decode(k.launch_params(case.query, cache, table, lens, cu_q, out,
-                                            case.spec.softmax_scale))
-            return out
-
-        calls[helped], decodes[helped] = call, decode
+        _, calls[helped], outs[helped] = splitk_call(case, SplitKConfig(helped_requests=helped))
     times = [time_graph(calls[h], case) for _ in range(2) for h in HELPED]
-    decode_us = time_graph(decodes[HELPED[0]], case)
+    decode_us = time_graph(lambda cache: calls[HELPED[0]](cache, combine=False), case)
     results = []
     for helped in HELPED:
         calls[helped](case.caches[0])

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import BF, F8, K, bytes_flops, ceilings, make_case, time_graph
-from decode_kernels import planned_splitk
+from decode_kernels import planned_splitk, splitk_call
 
 from trtllm_mla_plugin.ops.kernels.cuda_driver import CubinModule
 from trtllm_mla_plugin.ops.kernels.nvcc_build import build_cubin
@@ -66,16 +66,7 @@ def time_variants(case, config: SplitKConfig,
                   modules: dict[str, CubinModule]) -> tuple[dict[str, float], tuple[int, int]]:
     """Microseconds per call of each of ``COLUMNS`` for ``case``, and the launch's
     ``(stages, ctas_per_sm)``."""
-    k, cu_q, out = planned_splitk(case, config)
-
-    def call(cache: torch.Tensor, combine: bool = True) -> torch.Tensor:
-        p = k.launch_params(case.query, cache, case.batch.block_table, case.batch.seq_lens,
-                            cu_q, out, case.spec.softmax_scale)
-        k.launch_decode(p)
-        if combine:
-            k.launch_combine(p)
-        return out
-
+    k, call, _ = splitk_call(case, config)
     times = {"full": time_graph(call, case),
              "decode": time_graph(lambda c: call(c, combine=False), case)}
     for name, module in modules.items():

@@ -141,16 +141,29 @@ def random_shapes(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8)) -
 
 
 def random_set(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8),
-               keep: str = "both", max_request_rows: int | None = None
-               ) -> list[tuple[int, tuple]]:
+               keep: str = "both", request_rows: tuple[int, int] | None = None,
+               batches: tuple[int, int] | None = None) -> list[tuple[int, tuple]]:
     """``(case seed, shape)`` of random set ``seed`` whose cache dtype ``keep`` admits
-    (``"both"``, ``BF`` or ``F8``) and, if given, with at most ``max_request_rows`` query
-    rows per request (heads x q_len). The case seed (lengths and values of ``make_case``) is
-    ``1000 * seed`` + the shape's place in the draw, the same in every run and mode."""
+    (``"both"``, ``BF`` or ``F8``) and, if given, with query rows per request (heads x q_len)
+    and batch size each within an inclusive ``(lo, hi)`` range. The case seed (lengths and
+    values of ``make_case``) is ``1000 * seed`` + the shape's place in the draw, the same in
+    every run and mode, so a filtered set's shapes are those of the whole draw."""
+    def within(value: int, bounds: tuple[int, int] | None) -> bool:
+        return bounds is None or bounds[0] <= value <= bounds[1]
+
     return [(1000 * seed + i, shape)
             for i, shape in enumerate(random_shapes(seed, count, kv_kinds))
-            if keep in ("both", shape[5])
-            and (max_request_rows is None or shape[0] * shape[4] <= max_request_rows)]
+            if keep in ("both", shape[5]) and within(shape[0] * shape[4], request_rows)
+            and within(shape[1], batches)]
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """``"LO-HI"`` (or one number) as an inclusive ``(lo, hi)``, for the filter options."""
+    lo, _, hi = text.partition("-")
+    bounds = (int(lo), int(hi or lo))
+    if bounds[0] > bounds[1]:
+        raise argparse.ArgumentTypeError(f"empty range {text!r}")
+    return bounds
 
 
 def case_lengths(kind: str, ctx: int, b: int, q_len: int, g: torch.Generator) -> list[int]:
@@ -568,9 +581,11 @@ def main() -> None:
     ap.add_argument("--random", type=str, default=None,
                     help="comma-separated seeds of random shape sets (random-SEED.csv)")
     ap.add_argument("--random-count", type=int, default=40)
-    ap.add_argument("--random-max-request-rows", type=int, default=None,
-                    help="keep the random shapes with at most this many query rows per "
-                         "request (heads x q_len) out of the --random-count drawn")
+    ap.add_argument("--random-request-rows", type=int_range, default=None, metavar="LO-HI",
+                    help="keep the random shapes with LO to HI query rows per request "
+                         "(heads x q_len) out of the --random-count drawn")
+    ap.add_argument("--random-batches", type=int_range, default=None, metavar="LO-HI",
+                    help="keep the random shapes of LO to HI requests out of those drawn")
     ap.add_argument("--train", type=int, default=0,
                     help="bf16 random shapes timed on the policy's routes only (train.csv)")
     ap.add_argument("--train-seed", type=int, default=101)
@@ -649,7 +664,8 @@ def main() -> None:
     if args.graph_only:
         args.kv = BF
     sets = [(f"random-{s}", random_set(int(s), args.random_count, keep=args.kv,
-                                       max_request_rows=args.random_max_request_rows),
+                                       request_rows=args.random_request_rows,
+                                       batches=args.random_batches),
              "graph" if args.graph_only else "random")
             for s in (args.random.split(",") if args.random else [])]
     if args.train:

@@ -1,15 +1,19 @@
 """The benchmarks' bookkeeping, on the CPU: the decode-step summary of a profiler trace
 (``profile_engine_step.summarize``), the per-round backend order of ``bench_engine`` and the
 alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``, the paired
-engine ratios of ``summarize_engine``, and how the FlashMLA peer is timed and scored."""
+engine ratios of ``summarize_engine``, how the FlashMLA peer is timed and scored, and the
+random sets' filters and ``graph_routes_ab``'s alternation."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import math
 import os
 import sys
 import time
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -837,3 +841,56 @@ def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
         assert plan.tiles[:3].eq(b).all() and plan.splits[: b + 1].tolist() == [
             2 * i for i in range(b + 1)]
     assert (plan.tiles.data_ptr(), plan.splits.data_ptr()) == addresses
+
+
+def test_random_set_filters_keep_the_draws_own_case_seeds():
+    """``--random-request-rows`` / ``--random-batches``: a filtered set is the part of the
+    whole draw inside both ranges, each shape with the case seed it has unfiltered."""
+    whole = bench_decode.random_set(83, 400, keep=bench_decode.BF)
+    kept = bench_decode.random_set(83, 400, keep=bench_decode.BF, request_rows=(9, 16),
+                                   batches=(17, 127))
+    assert kept and len(kept) < len(whole)
+    assert kept == [(seed, s) for seed, s in whole
+                    if 9 <= s[0] * s[4] <= 16 and 17 <= s[1] <= 127]
+    assert bench_decode.int_range("33-95") == (33, 95)
+    assert bench_decode.int_range("7") == (7, 7)
+    with pytest.raises(argparse.ArgumentTypeError, match="empty range"):
+        bench_decode.int_range("9-3")
+
+
+def test_graph_routes_ab_rotates_the_order_and_scores_by_median(monkeypatch, tmp_path):
+    """``graph_routes_ab``: each round starts at the next kernel; a kernel's score is the
+    faster of vLLM's two calls over its median round; the bound table switches routes at
+    each bound; ``--summarize`` reads the written file back to the same results."""
+    import graph_routes_ab as ab
+
+    order = []
+    monkeypatch.setattr(ab, "capture_graph", lambda call, case: call)
+    monkeypatch.setattr(ab, "time_replays", lambda graph: (order.append(graph.name)
+                                                           or graph.us.pop(0)))
+    ks = [bench_decode.Kernel(name) for name in ("flashmla", "cuda-splitk", *ab.PEERS)]
+    for k, us in zip(ks, ([10, 50, 10], [8, 8, 9], [12, 12, 12], [20, 20, 20]), strict=True):
+        k.call = k  # the stand-in graph is the kernel itself
+        k.us = list(us)
+    times = ab.time_alternating(ks, None, rounds=3)
+    names = [k.name for k in ks]
+    assert order == names + names[1:] + names[:1] + names[2:] + names[:2]
+    assert times["flashmla"] == [10, 50, 10] and times["cuda-splitk"] == [8, 8, 9]
+    medians = {name: sorted(v)[1] for name, v in times.items()}
+    assert ab.score(medians, "flashmla") == pytest.approx(12 / 10)
+    assert ab.score(medians, "cuda-splitk") == pytest.approx(12 / 8)
+    assert ab.score({"flashmla": 1.0}, "flashmla") is None
+    results = [(40, medians), (100, {**medians, "cuda-splitk": 24.0})]
+    out = tmp_path / "ab.csv"
+    with open(out, "w") as f:
+        f.write("shape,batch,kernel,rounds_us,median_us,rel_diff\n")
+        for i, (b, med) in enumerate(results):
+            f.writelines(f"s{i},{b},{name},,{us},0\n" for name, us in med.items())
+    assert ab.read_results(out) == results
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        ab.summarize(results, ["flashmla", "cuda-splitk"])
+    lines = printed.getvalue().splitlines()
+    # from 33: both shapes on cuda-splitk (1.5 and 0.5); from 48: flashmla at b40 (1.2)
+    assert "from 33 requests, flashmla below (batches >= 33): geomean 0.866" in lines[-7]
+    assert "from 48 requests, flashmla below (batches >= 33): geomean 0.775" in lines[-5]

@@ -124,9 +124,12 @@ SPLITK_CASES = [
     (16, 64, BatchShape(96, 1), "cuda-splitk"),  # CUDA graphs: by batch size alone
     (16, 64, BatchShape(1024, 1), "cuda-splitk"),
     (16, 64, BatchShape(1025, 1), "flashmla"),  # beyond the kernel's batch
-    (16, 64, BatchShape(95, 1), "flashmla"),  # short contexts lost at b81/b95 (run 46-47)
+    (16, 64, BatchShape(95, 1), "cuda-splitk"),  # from 33 on (runs 131-132)
+    (16, 64, BatchShape(33, 1), "cuda-splitk"),
     (16, 64, BatchShape(32, 1), "vllm-fa3-mla"),
     (8, 64, BatchShape(128, 2), "cuda-splitk"),  # 8 heads x 2 tokens = 16 rows
+    (8, 64, BatchShape(33, 2), "cuda-splitk"),
+    (16, 32, BatchShape(64, 1), "flashinfer-fa3"),  # 32-token pages: neither reads them
     (8, 64, BatchShape(128, 1), "vllm-fa3-mla"),  # 8 rows: vLLM's FA3 at any size
     (16, 64, BatchShape(128, 2), "flashmla"),  # 32 rows
 ]
@@ -263,6 +266,7 @@ def stub_decoder(monkeypatch, heads=16, cuda_graph=False, kv=BF16, q_len=1, max_
             if name in failing:
                 raise RuntimeError(f"{name}: nvcc failed to compile")
             stubs[name] = _StubRoute(name, name.startswith("flashinfer"))
+            stubs[name].max_batch_size = max_batch_size
             return stubs[name]
         return make
 
@@ -372,15 +376,28 @@ def test_decoder_builds_only_the_routes_its_batches_can_reach(
                 shape=BatchShape(b, q) if cuda_graph else dec.batch_shape(dec._batch)).name
 
 
-def test_graph_decoder_with_nvcc_builds_the_split_kv_kernel_for_large_batches(
+def test_graph_decoder_with_nvcc_builds_the_split_kv_kernel_above_the_fa3_bound(
         splitk_present, monkeypatch):
     """16 heads, one token, CUDA graphs, nvcc present: vLLM's FA3 MLA kernel up to 32
-    requests, FlashMLA for 33-95, the plugin's split-KV kernel from 96 on."""
+    requests, the plugin's split-KV kernel from 33 on; FlashMLA is not built (no batch size
+    of up to 512 would run it)."""
     dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True)
-    assert dec.route_name == "vllm-fa3-mla+flashmla+cuda-splitk"
-    assert "flashinfer-fa3" not in stubs
-    for b, route in ((1, "vllm-fa3-mla"), (32, "vllm-fa3-mla"), (33, "flashmla"),
-                     (95, "flashmla"), (96, "cuda-splitk"), (512, "cuda-splitk")):
+    assert dec.route_name == "vllm-fa3-mla+cuda-splitk"
+    assert set(stubs) == {"vllm-fa3-mla", "cuda-splitk"}
+    for b, route in ((1, "vllm-fa3-mla"), (32, "vllm-fa3-mla"), (33, "cuda-splitk"),
+                     (95, "cuda-splitk"), (96, "cuda-splitk"), (512, "cuda-splitk")):
+        dec.plan(batch([300] * b))
+        assert dec.route.name == route, b
+
+
+def test_graph_decoder_beyond_the_split_kv_batch_bound_also_builds_flashmla(
+        splitk_present, monkeypatch):
+    """Batches over SPLITK_MAX_BATCH (the kernel keeps a step's lengths in shared memory)
+    run FlashMLA, so a decoder for up to 2048 requests holds all three."""
+    dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True, max_batch=2048)
+    assert dec.route_name == "vllm-fa3-mla+cuda-splitk+flashmla"
+    assert set(stubs) == {"vllm-fa3-mla", "cuda-splitk", "flashmla"}
+    for b, route in ((1024, "cuda-splitk"), (1025, "flashmla"), (2048, "flashmla")):
         dec.plan(batch([300] * b))
         assert dec.route.name == route, b
 
@@ -389,14 +406,15 @@ def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
         splitk_present, monkeypatch, caplog):
     """nvcc present but the build (or the cubin's load) fails at engine start: a warning
     names the error, and the batches the rule gives the kernel run the next route of their
-    ranking (FlashMLA), which the decoder holds anyway."""
+    ranking (FlashMLA), which the decoder builds in its place."""
     dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True,
                               failing=("cuda-splitk",))
     assert dec.route_name == "vllm-fa3-mla+flashmla" and "cuda-splitk" not in stubs
     assert "cuda-splitk" in caplog.text and "nvcc failed to compile" in caplog.text
     assert "next route of their ranking" in caplog.text
-    dec.plan(batch([300] * 128))
-    assert dec.route.name == "flashmla"
+    for b, route in ((32, "vllm-fa3-mla"), (33, "flashmla"), (128, "flashmla")):
+        dec.plan(batch([300] * b))
+        assert dec.route.name == route, b
 
 
 @pytest.mark.parametrize(("heads", "q_len", "largest_fa3_batch"), [

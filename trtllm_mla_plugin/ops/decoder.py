@@ -130,7 +130,8 @@ class MLADecoder:
 
     Route choice: with ``route=None`` the policy (``ops.policy``) may pick a different
     route per step from host-side batch facts (batch size, ``max_seq_len``, ``kv_tokens``);
-    the decoder then holds each route of ``route_set`` and ``route_name`` names the set
+    the decoder then holds each route of ``route_set`` (for a route that fails to start,
+    the next eligible one of its ranking) and ``route_name`` names the set
     (``"flashinfer-fa3+flashmla"``). ``route`` forces one route.
 
     CUDA graphs: ``run`` may be captured. A captured ``run`` replays correctly after
@@ -155,27 +156,17 @@ class MLADecoder:
         self.spec = spec
         self.device = torch.device(device)
         self.cuda_graph = cuda_graph
+        self.max_batch_size = max_batch_size
         self.platform = platform_of(self.device)
         if route is not None:
             default = choose_route(spec, self.platform, route)
             choices: tuple[RouteChoice, ...] = (default,)
+            self.routes: dict[str, DecodeRoute] = {route: self._build(route)}
         else:
-            choices = route_set(spec, self.platform, cuda_graph, max_batch_size)
-            default = choices[0]
-        self.routes: dict[str, DecodeRoute] = {}
-        for c in choices:
-            try:
-                self.routes[c.name] = ROUTES[c.name](
-                    spec, self.device, max_batch_size, cuda_graph=cuda_graph
-                )
-            except Exception as error:
-                if c.name == default.name:
-                    raise
-                # A per-batch alternative that cannot start (e.g. a broken extension) is
-                # left out; its batches run the next route of their ranking.
-                logger.warning("decode route %s left out: %s: %s; its batches run the next "
-                               "route of their ranking", c.name, type(error).__name__, error)
-        choices = tuple(c for c in choices if c.name in self.routes)
+            rankings = policy.rankings(spec, self.platform, cuda_graph, max_batch_size)
+            default = _first_eligible(rankings[0], spec, self.platform)
+            self.routes = {}
+            choices = self._build_first_of_each(rankings, default.name)
         if len(choices) == 1:
             self.choice = default
         else:
@@ -189,6 +180,40 @@ class MLADecoder:
         #: Forces length sorting on or off for routes that support it (benchmarks).
         self.sort_override: bool | None = None
         self._batch: DecodeBatch | None = None
+
+    def _build(self, name: str) -> DecodeRoute:
+        return ROUTES[name](self.spec, self.device, self.max_batch_size,
+                            cuda_graph=self.cuda_graph)
+
+    def _build_first_of_each(self, rankings: tuple[tuple[str, ...], ...],
+                             default: str) -> tuple[RouteChoice, ...]:
+        """Builds, for every ranking, its first eligible route that starts, into
+        ``self.routes``; returns their choices in ranking order. A per-batch alternative
+        that cannot start (e.g. an extension that does not compile) is left out with a
+        warning and its ranking's next eligible route is built instead, so its batches run
+        what they would run without it; the default route failing raises."""
+        choices: dict[str, RouteChoice] = {}
+        failed: set[str] = set()
+        for ranking in rankings:
+            for name in ranking:
+                if name in self.routes:
+                    break
+                if name in failed or ROUTES[name].unsupported_reason(
+                        self.spec, self.platform) is not None:
+                    continue
+                try:
+                    self.routes[name] = self._build(name)
+                except Exception as error:
+                    if name == default:
+                        raise
+                    failed.add(name)
+                    logger.warning("decode route %s left out: %s: %s; its batches run the "
+                                   "next route of their ranking", name,
+                                   type(error).__name__, error)
+                    continue
+                choices[name] = RouteChoice(name, ROUTES[name].kernel, ())
+                break
+        return tuple(choices.values())
 
     @property
     def route_name(self) -> str:

@@ -191,12 +191,16 @@ SPLITK_PAGE_MULTIPLE = 64
 #: kernel's fixed cost (15 us at b1; one request cut over all 264 CTAs: 136 us against FA3's
 #: 39 us at h8 b1 52k) loses ...
 SPLITK_MIN_BATCH = 48
-#: ... and of at least this many under CUDA graphs (lengths unknown, FlashMLA the
-#: alternative). Runs 46-47 (H200, 9-16 rows per request, seeds 1-5 and the bf16 grid): all
-#: 14 timed shapes of >= 96 requests ran 0.985-1.38x FlashMLA's time (geomean 1.08); between
-#: 48 and 95 requests 12 of 14 were faster (1.04-1.24x) but the two shortest contexts lost
-#: (h8 b81 q2 at 340 tokens 0.86x, h16 b95 at 633 tokens 0.91x), which a graph cannot see.
-SPLITK_GRAPH_MIN_BATCH = 96
+#: ... and, under CUDA graphs (lengths unknown), every batch vLLM's FA3 kernel does not
+#: take (more than VLLM_FA3_GRAPH_MAX_BATCH requests), ahead of FlashMLA. Run 131 (H200, 9-16
+#: rows, 111 random shapes of 33-127 requests, seeds 83-88) fitted the bound: against the
+#: faster of vLLM's two calls, geomean 1.022 from 33 requests, 0.982 from 96 (the bound runs
+#: 46-47 had set against FlashMLA alone); run 132 checked it, timed in alternation on 148
+#: fresh shapes (seeds 89-96 and the grid): 0.999 against 0.958, better in every range of
+#: batch sizes (33-40: 0.966 against FlashMLA's 0.926, 81-95: 1.053 against 0.979) and at
+#: the worst shape (0.655 against 0.609). Short contexts lose either way (0.65-0.8; vLLM's
+#: FA3 kernel is faster there), which a graph cannot see.
+SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
 #: ... and at most this many (the kernel keeps a step's lengths in shared memory).
 SPLITK_MAX_BATCH = 1024
 #: ... and, when the lengths are known (no CUDA graph: FlashInfer FA3 is the alternative),

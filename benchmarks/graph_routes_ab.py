@@ -1,0 +1,165 @@
+"""Plugin routes under CUDA graphs timed in alternation with vLLM's own two SM90 bf16 calls
+(FLASHMLA's and FLASH_ATTN_MLA's), for choosing which route the CUDA-graph rule gives a range
+of batch sizes (docs/benchmarks.md "cuda-splitk from 33 requests under CUDA graphs").
+
+Why alternation: ``bench_decode.py`` times a shape's kernels one after another, and the same
+kernel timed twice there differed by up to 18% on 300-600 us shapes (run 131); here every
+kernel's graph is captured once and replayed in ``--rounds`` rounds, the order rotated each
+round, and each kernel scored by its median round.
+
+Usage (GPU machine, the vLLM kit installed for vLLM's kernels)::
+
+    python benchmarks/graph_routes_ab.py --out ab.csv --seeds 89,90 --count 1000 \\
+        --request-rows 9-16 --batches 17-127 --routes flashmla,cuda-splitk [--grid 3,4]
+
+``--out``: one row per shape and kernel (us per round and their median; ``--summarize``
+reads it back on any machine); stdout: per batch range, each route's geometric mean and
+worst of (the faster of vLLM's two calls) / route, and for each lower bound T, the rule
+"cuda-splitk from T requests, the first route below" scored the same way (when both are
+timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import (
+    BF,
+    FULL,
+    capture_graph,
+    int_range,
+    make_case,
+    random_set,
+    time_replays,
+)
+from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
+
+PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
+BINS = ((17, 24), (25, 32), (33, 40), (41, 48), (49, 64), (65, 80), (81, 95), (96, 127),
+        (128, 1024))
+BOUNDS = (33, 40, 48, 56, 64, 80, 96)
+
+
+def kernels(case, routes: list[str]) -> list[Kernel]:
+    """The plugin's ``routes`` forced with their CUDA-graph set-up (as the graph rule would
+    run them; ``engine_query`` as vLLM hands the query over), then vLLM's two calls."""
+    ks = [decoder_kernel(route, case, route, engine_query=True, cuda_graph=True)
+          for route in routes]
+    return [*ks, flashmla_peer(case), vllm_fa3_mla_peer(case)]
+
+
+def time_alternating(ks: list[Kernel], case, rounds: int) -> dict[str, list[float]]:
+    """Microseconds per call of each runnable kernel, one value per round; round ``r``
+    starts at kernel ``r`` (mod the count) so no kernel always runs first or last."""
+    runnable = [k for k in ks if k.call is not None]
+    graphs = {k.name: capture_graph(k.call, case) for k in runnable}
+    times: dict[str, list[float]] = {k.name: [] for k in runnable}
+    for r in range(rounds):
+        order = runnable[r % len(runnable):] + runnable[:r % len(runnable)]
+        for k in order:
+            times[k.name].append(time_replays(graphs[k.name]))
+    return times
+
+
+def score(times: dict[str, float], route: str) -> float | None:
+    """(the faster of vLLM's two calls) / ``route``'s time; None where one is missing."""
+    if route not in times or not all(p in times for p in PEERS):
+        return None
+    return min(times[p] for p in PEERS) / times[route]
+
+
+def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str]) -> None:
+    """Per batch range and route, then per lower bound of the ``cuda-splitk`` range."""
+    def line(values: list[float]) -> str:
+        return (f"geomean {statistics.geometric_mean(values):.3f} worst {min(values):.3f} "
+                f"n {len(values)}") if values else "n 0"
+
+    for lo, hi in BINS:
+        inside = [t for b, t in results if lo <= b <= hi]
+        if not inside:
+            continue
+        cells = [f"{route} {line([s for t in inside if (s := score(t, route))])}"
+                 for route in routes]
+        print(f"b{lo}-{hi}: " + " | ".join(cells))
+    if "cuda-splitk" in routes and len(routes) > 1:
+        other = next(r for r in routes if r != "cuda-splitk")
+        for bound in BOUNDS:
+            values = [s for b, t in results if b >= BOUNDS[0]
+                      if (s := score(t, "cuda-splitk" if b >= bound else other))]
+            print(f"cuda-splitk from {bound} requests, {other} below "
+                  f"(batches >= {BOUNDS[0]}): {line(values)}")
+
+
+def read_results(path: Path) -> list[tuple[int, dict[str, float]]]:
+    """``(batch size, median us per kernel)`` per shape of an ``--out`` file."""
+    by_shape: dict[str, tuple[int, dict[str, float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["median_us"]:
+                entry = by_shape.setdefault(row["shape"], (int(row["batch"]), {}))
+                entry[1][row["kernel"]] = float(row["median_us"])
+    return list(by_shape.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seeds", default="", help="comma-separated random-set seeds")
+    ap.add_argument("--count", type=int, default=1000, help="shapes drawn per seed")
+    ap.add_argument("--request-rows", type=int_range, default=(9, 16), metavar="LO-HI")
+    ap.add_argument("--batches", type=int_range, default=(17, 127), metavar="LO-HI")
+    ap.add_argument("--grid", default="", help="comma-separated indices into bench_decode's "
+                    "grid (bf16 shapes)")
+    ap.add_argument("--routes", default="flashmla,cuda-splitk")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--summarize", action="store_true",
+                    help="only summarize an existing --out file (any machine)")
+    args = ap.parse_args()
+    routes = [r for r in args.routes.split(",") if r]
+    if args.summarize:
+        summarize(read_results(args.out), routes)
+        return
+    device = torch.device("cuda")
+    shapes = [(int(i), FULL[int(i)]) for i in args.grid.split(",") if i]
+    for seed in (int(s) for s in args.seeds.split(",") if s):
+        shapes += random_set(seed, args.count, keep=BF, request_rows=args.request_rows,
+                             batches=args.batches)
+    print(f"{len(shapes)} shapes, routes {routes}, {args.rounds} rounds", flush=True)
+    results = []
+    with open(args.out, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["shape", "batch", "kernel", "rounds_us", "median_us", "rel_diff"])
+        for case_seed, shape in shapes:
+            case = make_case(shape, case_seed, device)
+            ks = kernels(case, routes)
+            outs = {k.name: k.call(case.caches[0]).float() for k in ks if k.call is not None}
+            # vLLM's FA3 call (else the last runnable kernel): what the others are compared to
+            first = next(outs[k.name] for k in reversed(ks) if k.name in outs)
+            times = time_alternating(ks, case, args.rounds)
+            medians = {name: statistics.median(v) for name, v in times.items()}
+            for name, values in times.items():
+                diff = ((outs[name] - first).norm() / first.norm()).item()
+                writer.writerow([case.name, shape[1], name,
+                                 " ".join(f"{v:.2f}" for v in values),
+                                 f"{medians[name]:.2f}", f"{diff:.2e}"])
+            for k in ks:
+                if k.call is None:
+                    writer.writerow([case.name, shape[1], k.name, "", "", k.absent])
+            f.flush()
+            results.append((shape[1], medians))
+            cells = ", ".join(f"{r} {s:.3f}" for r in routes if (s := score(medians, r)))
+            print(f"{case.name}: {cells}", flush=True)
+            del case, ks, outs
+            torch.cuda.empty_cache()
+    summarize(results, routes)
+
+
+if __name__ == "__main__":
+    main()

@@ -248,6 +248,21 @@ def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> flo
     return ms * 1e3 / reps
 
 
+def time_alternating(calls: list[Callable], case: Case, rounds: int) -> list[list[float]]:
+    """Microseconds per call of each of ``calls`` (each captured into one graph), one value
+    per round; round ``r`` starts at call ``r`` (mod the count), so no call always runs first
+    or last (A B, B A, ... for two). Why: a clock or thermal drift between timings taken one
+    after the other reads as a gap between kernels; alternating, each one's median keeps
+    only their own difference."""
+    graphs = [capture_graph(call, case) for call in calls]
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(rounds):
+        first = r % len(graphs)
+        for i in [*range(first, len(graphs)), *range(first)]:
+            times[i].append(time_replays(graphs[i]))
+    return times
+
+
 def time_kernels(kernels: dict[str, Kernel], case: Case) -> dict[str, float]:
     """Graph-timed microseconds of each of ``kernels`` that can run (``call`` not ``None``)."""
     return {name: time_graph(k.call, case) for name, k in kernels.items() if k.call is not None}
@@ -388,28 +403,25 @@ def bench_paired(shape: tuple, idx: int, device, writer, rounds: int, label: str
     shape, each captured once and then timed alternately ``rounds`` times (A B A B ...).
 
     Why: both run FlashMLA's dense FP8 kernel; timed one after the other, a 2-4% clock or
-    thermal drift between the two timings reads as a gap on small shapes. Alternating and
-    taking each side's median leaves the kernels' own difference. ``identical_output``:
-    the two outputs compared bit for bit (the same kernel on the same inputs)."""
+    thermal drift between the two timings reads as a gap on small shapes
+    (``time_alternating``). ``identical_output``: the two outputs compared bit for bit (the
+    same kernel on the same inputs)."""
     case = make_case(shape, seed=idx, device=device)
     plugin = decoder_kernel("plugin", case, None, engine_query=True)
     peer = flashmla_fp8_peer(case)
     if plugin.absent or peer.absent:
         raise RuntimeError(f"{case.name}: {plugin.absent or peer.absent}")
     identical = torch.equal(plugin.call(case.caches[0]), peer.call(case.caches[0]))
-    graphs = [capture_graph(plugin.call, case), capture_graph(peer.call, case)]
+    times = time_alternating([plugin.call, peer.call], case, rounds)
     heads, b, ctx, kind, m, _kvd, _block = shape
-    times: list[list[float]] = [[], []]
-    for rnd in range(rounds):
-        for side in (0, 1) if rnd % 2 == 0 else (1, 0):
-            times[side].append(time_replays(graphs[side]))
+    for rnd, (ours, theirs) in enumerate(zip(*times, strict=True)):
         writer.writerow(dict(set=label, shape=case.name, heads=heads, batch=b, ctx=ctx,
                              lens=kind, q_len=m, round=rnd, plugin_route=plugin.obj.route.name,
-                             plugin_us=f"{times[0][-1]:.3f}", peer_us=f"{times[1][-1]:.3f}",
+                             plugin_us=f"{ours:.3f}", peer_us=f"{theirs:.3f}",
                              identical_output=identical))
     med = [sorted(t)[len(t) // 2] for t in times]
     summary.append((label, case.name, med[0], med[1], identical))
-    del graphs, case
+    del case
     torch.cuda.empty_cache()
 
 

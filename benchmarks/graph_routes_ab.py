@@ -30,15 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import (
-    BF,
-    FULL,
-    capture_graph,
-    int_range,
-    make_case,
-    random_set,
-    time_replays,
-)
+import bench_decode
+from bench_decode import BF, FULL, int_range, make_case, random_set
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
 
 PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
@@ -56,16 +49,10 @@ def kernels(case, routes: list[str]) -> list[Kernel]:
 
 
 def time_alternating(ks: list[Kernel], case, rounds: int) -> dict[str, list[float]]:
-    """Microseconds per call of each runnable kernel, one value per round; round ``r``
-    starts at kernel ``r`` (mod the count) so no kernel always runs first or last."""
+    """``bench_decode.time_alternating`` of the runnable kernels of ``ks``, by name."""
     runnable = [k for k in ks if k.call is not None]
-    graphs = {k.name: capture_graph(k.call, case) for k in runnable}
-    times: dict[str, list[float]] = {k.name: [] for k in runnable}
-    for r in range(rounds):
-        order = runnable[r % len(runnable):] + runnable[:r % len(runnable)]
-        for k in order:
-            times[k.name].append(time_replays(graphs[k.name]))
-    return times
+    per_kernel = bench_decode.time_alternating([k.call for k in runnable], case, rounds)
+    return {k.name: t for k, t in zip(runnable, per_kernel, strict=True)}
 
 
 def score(times: dict[str, float], route: str) -> float | None:

@@ -865,9 +865,9 @@ def test_graph_routes_ab_rotates_the_order_and_scores_by_median(monkeypatch, tmp
     import graph_routes_ab as ab
 
     order = []
-    monkeypatch.setattr(ab, "capture_graph", lambda call, case: call)
-    monkeypatch.setattr(ab, "time_replays", lambda graph: (order.append(graph.name)
-                                                           or graph.us.pop(0)))
+    monkeypatch.setattr(bench_decode, "capture_graph", lambda call, case: call)
+    monkeypatch.setattr(bench_decode, "time_replays", lambda graph: (order.append(graph.name)
+                                                                     or graph.us.pop(0)))
     ks = [bench_decode.Kernel(name) for name in ("flashmla", "cuda-splitk", *ab.PEERS)]
     for k, us in zip(ks, ([10, 50, 10], [8, 8, 9], [12, 12, 12], [20, 20, 20]), strict=True):
         k.call = k  # the stand-in graph is the kernel itself

@@ -142,8 +142,7 @@ CLIENT_TOKENS = [8 + 4 * (i % 5) for i in range(32)]
 CLIENT_PROMPTS = [prompt_ids(n, 4000 + i) for i, n in enumerate(CLIENT_LENS)]
 #: 128 requests decoding together: under CUDA graphs the SM90 policy gives batches of
 #: 96-1024 requests with 16 query rows each to the plugin's own split-KV kernel (rule 2b).
-#: Lengths 60-2959 across 64-token pages; every request decodes the same number of steps,
-#: so the batch stays at 128 to the end.
+#: Lengths 60-2959 across 64-token pages.
 WIDE_LENS = [(211 * i) % 2900 + 60 for i in range(128)]
 #: Requests finish in six waves, so the decode batch runs 128, 107, 85, 64, 43 and 21 wide:
 #: `cuda-splitk` under CUDA graphs from 33 requests on, vLLM's FA3 kernel below.

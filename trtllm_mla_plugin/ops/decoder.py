@@ -195,24 +195,18 @@ class MLADecoder:
         choices: dict[str, RouteChoice] = {}
         failed: set[str] = set()
         for ranking in rankings:
-            for name in ranking:
-                if name in self.routes:
-                    break
-                if name in failed or ROUTES[name].unsupported_reason(
-                        self.spec, self.platform) is not None:
-                    continue
+            while (choice := _first_eligible(tuple(n for n in ranking if n not in failed),
+                                             self.spec, self.platform)).name not in self.routes:
                 try:
-                    self.routes[name] = self._build(name)
+                    self.routes[choice.name] = self._build(choice.name)
+                    choices[choice.name] = choice
                 except Exception as error:
-                    if name == default:
+                    if choice.name == default:
                         raise
-                    failed.add(name)
+                    failed.add(choice.name)
                     logger.warning("decode route %s left out: %s: %s; its batches run the "
-                                   "next route of their ranking", name,
+                                   "next route of their ranking", choice.name,
                                    type(error).__name__, error)
-                    continue
-                choices[name] = RouteChoice(name, ROUTES[name].kernel, ())
-                break
         return tuple(choices.values())
 
     @property

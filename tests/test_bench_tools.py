@@ -894,3 +894,26 @@ def test_graph_routes_ab_rotates_the_order_and_scores_by_median(monkeypatch, tmp
     # from 33: both shapes on cuda-splitk (1.5 and 0.5); from 48: flashmla at b40 (1.2)
     assert "from 33 requests, flashmla below (batches >= 33): geomean 0.866" in lines[-7]
     assert "from 48 requests, flashmla below (batches >= 33): geomean 0.775" in lines[-5]
+
+
+def test_splitk_build_ab_parses_variants_and_picks_shapes():
+    """``splitk_build_ab``: ``default`` is the plain build, ``helped=N`` sets the launch
+    config (its define follows from it), other tokens are defines; fewer than two variants
+    is an error. Named sets come first with case seed 1, then the filtered random draw."""
+    import splitk_build_ab as ab
+
+    from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKConfig, build_defines
+
+    old, new, both = ab.parse_variants("helped=0;default; SPLITK_X=1,helped=2")
+    assert (old.name, old.config.helped_requests, old.defines) == ("helped=0", 0, ())
+    assert build_defines(old.config) == ("SPLITK_HELPED_REQUESTS=0",)
+    assert (new.config, new.defines) == (SplitKConfig(), ())
+    assert (both.config.helped_requests, both.defines) == (2, ("SPLITK_X=1",))
+    with pytest.raises(argparse.ArgumentTypeError, match="two variants"):
+        ab.parse_variants("default;")
+    shapes = ab.shapes_for("short,heavy", "97", 400, (9, 16), (33, 127))
+    named = len(ab.SHAPE_SETS["short"]) + len(ab.SHAPE_SETS["heavy"])
+    assert shapes[:named] == [(1, s) for s in ab.SHAPE_SETS["short"] + ab.SHAPE_SETS["heavy"]]
+    assert shapes[named:] == bench_decode.random_set(97, 400, keep=bench_decode.BF,
+                                                     request_rows=(9, 16), batches=(33, 127))
+    assert len(shapes) > named

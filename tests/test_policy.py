@@ -722,3 +722,22 @@ def test_eager_rule_scores_on_the_measured_shapes(files, floor):
     grid = (scores("run46-shapes.jsonl", ["run46-decode.csv"])
             + scores("run52-shapes.jsonl", ["run52-decode.csv"]))
     assert len(grid) >= 14 and min(grid) >= 0.95, sorted(grid)[:3]
+
+
+def test_gpu_policy_cases_follow_the_graph_rule():
+    """The routes ``tests/gpu/test_cuda_graph_gpu.py`` expects an H200's CUDA-graph decoder to
+    pick (checked there only on a GPU) are the graph ranking's first route, so a rule change
+    that moves one fails here, on the CPU, before a GPU run finds it (run 139 did)."""
+    import importlib.util
+
+    gpu_dir = Path(__file__).resolve().parent / "gpu"
+    sys.path.insert(0, str(gpu_dir))
+    try:
+        spec_ = importlib.util.spec_from_file_location(
+            "cuda_graph_gpu_cases", gpu_dir / "test_cuda_graph_gpu.py")
+        module = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(gpu_dir))
+    for heads, batch, route in module.POLICY_CASES:
+        assert policy.rank(spec(heads), H200, BatchShape(batch))[0] == route, (heads, batch)

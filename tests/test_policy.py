@@ -130,7 +130,13 @@ SPLITK_CASES = [
     (8, 64, BatchShape(128, 2), "cuda-splitk"),  # 8 heads x 2 tokens = 16 rows
     (8, 64, BatchShape(33, 2), "cuda-splitk"),
     (16, 32, BatchShape(64, 1), "flashinfer-fa3"),  # 32-token pages: neither reads them
-    (8, 64, BatchShape(128, 1), "vllm-fa3-mla"),  # 8 rows: vLLM's FA3 at any size
+    (8, 64, BatchShape(128, 1), "cuda-splitk"),  # 8 rows under graphs: from 33 (runs 141-142)
+    (8, 64, BatchShape(33, 1), "cuda-splitk"),
+    (8, 64, BatchShape(1024, 1), "cuda-splitk"),
+    (8, 64, BatchShape(32, 1), "vllm-fa3-mla"),
+    (8, 64, BatchShape(1025, 1), "vllm-fa3-mla"),  # beyond the kernel: vLLM's FA3, as before
+    (8, 32, BatchShape(128, 1), "vllm-fa3-mla"),  # 32-token pages: not measured
+    (4, 64, BatchShape(128, 1), "vllm-fa3-mla"),  # 4 rows: not measured
     (16, 64, BatchShape(128, 2), "flashmla"),  # 32 rows
 ]
 
@@ -142,11 +148,22 @@ def test_sm90_splitk_rule(splitk_present, heads, block, batch, expected):
 
 
 def test_splitk_never_for_fp8_other_rows_or_off_hopper(splitk_present):
-    for s in (spec(16, kv=FP8), spec(128), spec(32), spec(8), spec(16, q_len=2),
-              spec(16, block=32)):
+    for s in (spec(16, kv=FP8), spec(128), spec(32), spec(4), spec(16, q_len=2),
+              spec(16, block=32), spec(8, block=32)):
         for ranking in (*policy.rankings(s, H200),
                         *policy.rankings(s, H200, cuda_graph=True, max_batch_size=256)):
             assert "cuda-splitk" not in ranking, (s, ranking)
+    # 8 rows per request: under CUDA graphs only (eager 8-row batches were not measured)
+    eight = spec(8)
+    assert not policy.splitk_candidate(eight) and policy.splitk_candidate(eight, cuda_graph=True)
+    assert not policy.hopper_prefers_splitk(eight, shape(155, 32 * K, 8 * K))
+    assert policy.rank(eight, H200, BatchShape(64, 1)) == ("cuda-splitk",
+                                                          *policy.HOPPER_VLLM_FA3_FIRST)
+    graph_only = ("cuda-splitk", *policy.HOPPER_VLLM_FA3_FIRST)
+    assert graph_only in policy.rankings(eight, H200, cuda_graph=True)
+    assert graph_only in policy.rankings(eight, H200, cuda_graph=True, max_batch_size=33)
+    assert graph_only not in policy.rankings(eight, H200, cuda_graph=True, max_batch_size=32)
+    assert not any("cuda-splitk" in r for r in policy.rankings(eight, H200))  # eager
     assert "cuda-splitk" not in policy.rank(spec(16), B200, BatchShape(256, 1))
     assert choose_route(spec(16, kv=FP8), H200, shape=BatchShape(256, 1)).name == "flashmla-fp8"
 
@@ -445,7 +462,8 @@ def test_forced_route_is_the_only_route(kernels_present, monkeypatch):
 
 def test_request_rows_rule_holds_on_every_timed_shape():
     """The timed bf16 shapes the 8-rows rule alone sends to vLLM's FA3 MLA (more than
-    VLLM_FA3_GRAPH_MAX_BATCH requests): FA3 faster on all but one (h8 b213 at 6-9.6k tokens,
+    VLLM_FA3_GRAPH_MAX_BATCH requests; where nvcc is missing, since run 141 the split-KV
+    kernel goes first): FA3 faster than FlashMLA on all but one (h8 b213 at 6-9.6k tokens,
     seed 8, 12% slower), and faster on geometric mean. Runs 23, 36 and 37 timed both routes
     forced on each shape (docs/bench-2026-11-30)."""
     root = Path(__file__).resolve().parents[1]
@@ -464,7 +482,8 @@ def test_request_rows_rule_holds_on_every_timed_shape():
             if (r["kv"] != "bf16" or b <= policy.VLLM_FA3_GRAPH_MAX_BATCH
                     or r["block"] != "64"):
                 continue
-            chosen = policy.rank(spec(heads, q_len=q), H200, BatchShape(b, q))[0]
+            ranking = policy.rank(spec(heads, q_len=q), H200, BatchShape(b, q))
+            chosen = next(name for name in ranking if name != "cuda-splitk")
             if chosen != "vllm-fa3-mla":
                 continue
             fa3, flashmla = (float(ks[k]["us"]) for k in ("vllm-fa3-mla", "flashmla"))
@@ -544,9 +563,10 @@ def test_splitk_eager_rule_leaves_one_long_request_to_the_ranking_below(splitk_p
 def test_splitk_rule_holds_on_every_timed_shape(files):
     """Where the rule picks the split-KV kernel: with lengths known (eager) it ran at least
     as fast as the best peer on every timed shape; under CUDA graphs (batch size only) at
-    least 0.94x FlashMLA, the route it displaces (timed as the engine runs it, its schedule
-    kernel once per step: h8 b152 7.5k uniform q2 0.944, seed 8), and faster on geometric
-    mean."""
+    least 0.94x FlashMLA, the route it displaces at 9-16 rows (timed as the engine runs it,
+    its schedule kernel once per step: h8 b152 7.5k uniform q2 0.944, seed 8), and faster on
+    geometric mean. 8-row batches displace vLLM's FA3 kernel, which these runs did not time
+    (``test_eight_row_graph_rule_holds_on_every_timed_shape``)."""
     eager, graph = [], []
     for r, t in _splitk_timed_shapes(files):
         heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
@@ -555,12 +575,39 @@ def test_splitk_rule_holds_on_every_timed_shape(files):
         best = min(v for k, v in t.items() if k.startswith("peer:"))
         if policy.rank(s, H200, lens)[0] == "cuda-splitk":
             eager.append(best / t["route:cuda-splitk"])
-        if policy.rank(s, H200, BatchShape(b, q))[0] == "cuda-splitk":
+        if (policy.rank(s, H200, BatchShape(b, q))[0] == "cuda-splitk"
+                and heads * q > policy.VLLM_FA3_GRAPH_MAX_REQUEST_ROWS):
             graph.append(t["peer:vllm-flashmla"] / t["route:cuda-splitk"])
     assert len(eager) >= 6 and len(graph) >= 8, (len(eager), len(graph))
     assert min(eager) >= 1.0, eager
     assert min(graph) >= 0.94, graph
     assert sum(math.log(g) for g in graph) > 0
+
+
+@pytest.mark.parametrize("name", ["run141-ab8-fit.csv", "run142-ab8-check.csv"])
+def test_eight_row_graph_rule_holds_on_every_timed_shape(name):
+    """Runs 141 (fitted on) and 142 (fresh seeds): 8-row batches (8 heads, one token) of
+    33-1024 requests under CUDA graphs, each kernel's graph timed in three rotated rounds
+    (``graph_routes_ab.py``). The rule's pick, the split-KV kernel, against the faster of
+    vLLM's two calls: above 1 on geometric mean, 0.1 above vLLM's FA3 kernel (the pick
+    before), a better worst shape, and faster than FLASHMLA's call on every shape."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import graph_routes_ab as ab
+
+    picks, before = [], []
+    for batch, times in ab.read_results(root / "docs" / "bench-2026-12-02" / name):
+        assert policy.rank(spec(8), H200, BatchShape(batch))[0] == "cuda-splitk", batch
+        picks.append(ab.score(times, "cuda-splitk"))
+        before.append(ab.score(times, "vllm-fa3-mla"))
+        assert times["peer:vllm-flashmla"] > times["cuda-splitk"], (batch, times)
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    assert len(picks) >= 30
+    assert geomean(picks) > 1.0 and geomean(picks) > geomean(before) + 0.1
+    assert min(picks) > min(before)
 
 
 def test_short_prefills_take_vllm_fa3_on_hopper_16bit_caches_only(kernels_present):

@@ -38,9 +38,9 @@ BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 HOPPER = (FA3, FLASHMLA, VLLM_FA3, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, VLLM_FA3, FA2, REFERENCE)
 HOPPER_VLLM_FA3_FIRST = (VLLM_FA3, FLASHMLA, FA3, FA2, REFERENCE)
-# SM90, 16-bit cache, 9-16 query rows per request, large batches: the plugin's CUDA split-KV
-# kernel (``hopper_prefers_splitk``) ahead of whichever ranking the batch has without it
-# (what runs where nvcc is missing).
+# SM90, 16-bit cache, 9-16 query rows per request (8-16 under CUDA graphs), large batches:
+# the plugin's CUDA split-KV kernel (``hopper_prefers_splitk``) ahead of whichever ranking
+# the batch has without it (what runs where nvcc is missing).
 # SM90, FP8 cache: FlashMLA's dense FP8 kernel (FP8 query) first for every batch. Behind it,
 # for installs without that kernel, the bf16-query routes: FlashInfer FA3 reads FP8 at 9-15%
 # of the copy ceiling; the plugin's page-balanced Triton kernel is 1.3-2x faster than FA3
@@ -201,6 +201,18 @@ SPLITK_MIN_BATCH = 48
 #: the worst shape (0.655 against 0.609). Short contexts lose either way (0.65-0.8; vLLM's
 #: FA3 kernel is faster there), which a graph cannot see.
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
+#: Under CUDA graphs the kernel also takes, from SPLITK_GRAPH_MIN_BATCH requests on, batches
+#: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at
+#: TP16; half a 16-row tile), ahead of vLLM's FA3 kernel, which the rule of
+#: VLLM_FA3_GRAPH_MAX_REQUEST_ROWS gave them at any batch size. Run 141 (seeds 97-98, 43
+#: random 8-row shapes of 33-1024 requests, each kernel's graph timed in three rotated
+#: rounds) against the faster of vLLM's two calls: 1.079 on geomean (worst 0.822) against
+#: vLLM's FA3 kernel's 0.879 (0.677), every lower bound of 40-96 scoring less; checked on
+#: fresh seeds 99-100 (run 142, 38 shapes): 1.027 (0.755) against 0.903 (0.696). Against
+#: FLASHMLA's call alone it was faster on every shape (1.03-1.7x); against FLASH_ATTN_MLA's
+#: it loses short contexts (0.76-0.83 at 0.3-1.1k tokens), as at 16 rows. With lengths
+#: (eager) 8-row batches keep vLLM's FA3 kernel: not measured there.
+SPLITK_GRAPH_MIN_REQUEST_ROWS = VLLM_FA3_GRAPH_MAX_REQUEST_ROWS
 #: ... and at most this many (the kernel keeps a step's lengths in shared memory).
 SPLITK_MAX_BATCH = 1024
 #: ... and, when the lengths are known (no CUDA graph: FlashInfer FA3 is the alternative),
@@ -439,14 +451,17 @@ def vllm_fa3_halved_splits(spec: DecodeSpec, max_q_len: int, max_seq_len: int,
     return work_tiles >= least
 
 
-def splitk_candidate(spec: DecodeSpec) -> bool:
+def splitk_candidate(spec: DecodeSpec, cuda_graph: bool = False) -> bool:
     """Whether the SM90 rule can pick the CUDA split-KV kernel for some batch of ``spec``:
     a 16-bit cache on pages of ``SPLITK_PAGE_MULTIPLE`` tokens and 9-16 query rows per
-    request at ``spec.max_q_len`` (the kernel's row groups are built for that length, so a
-    step with fewer query tokens runs the same kernel)."""
+    request at ``spec.max_q_len`` (8-16 under CUDA graphs, ``cuda_graph``; the kernel's row
+    groups are built for that length, so a step with fewer query tokens runs the same
+    kernel)."""
     rows = spec.num_heads * spec.max_q_len
+    least = (SPLITK_GRAPH_MIN_REQUEST_ROWS if cuda_graph
+             else VLLM_FA3_GRAPH_MAX_REQUEST_ROWS + 1)
     return (not spec.fp8_kv and spec.block_size % SPLITK_PAGE_MULTIPLE == 0
-            and VLLM_FA3_GRAPH_MAX_REQUEST_ROWS < rows <= SPLITK_MAX_REQUEST_ROWS)
+            and least <= rows <= SPLITK_MAX_REQUEST_ROWS)
 
 
 def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
@@ -454,10 +469,13 @@ def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     under CUDA graphs batches of ``SPLITK_GRAPH_MIN_BATCH`` or more; with lengths known,
     ``SPLITK_MIN_BATCH`` or more with enough KV tokens, no request holding too large a share
     of them, and ragged (or long uniform) lengths (see the constants)."""
-    if shape is None or not splitk_candidate(spec) or shape.batch_size > SPLITK_MAX_BATCH:
+    if shape is None or shape.batch_size > SPLITK_MAX_BATCH:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: batch size alone
-        return shape.batch_size >= SPLITK_GRAPH_MIN_BATCH
+        return (splitk_candidate(spec, cuda_graph=True)
+                and shape.batch_size >= SPLITK_GRAPH_MIN_BATCH)
+    if not splitk_candidate(spec):
+        return False
     if shape.batch_size < SPLITK_MIN_BATCH:
         return False
     kv_tokens = shape.kv_tokens or shape.batch_size * shape.max_seq_len
@@ -515,8 +533,9 @@ def rank(
         # takes every other batch there; with lengths FlashMLA's rule decides first.
         lengths_known = shape is not None and shape.max_seq_len is not None
         if hopper_prefers_vllm_fa3(spec, shape) and not (lengths_known and flashmla):
-            return HOPPER_VLLM_FA3_FIRST
-        ranking = HOPPER_FLASHMLA_FIRST if flashmla else HOPPER
+            ranking = HOPPER_VLLM_FA3_FIRST
+        else:
+            ranking = HOPPER_FLASHMLA_FIRST if flashmla else HOPPER
         return (SPLITK, *ranking) if hopper_prefers_splitk(spec, shape) else ranking
     if platform.capability >= (8, 0):
         return AMPERE_ADA
@@ -558,5 +577,7 @@ def rankings(
             return (HOPPER_FP8, *few_heads)
         splitk = (((SPLITK, *HOPPER), (SPLITK, *HOPPER_FLASHMLA_FIRST))
                   if splitk_candidate(spec) else ())
+        if cuda_graph and splitk_candidate(spec, cuda_graph=True):  # 8 rows: graphs only
+            splitk += ((SPLITK, *HOPPER_VLLM_FA3_FIRST),)
         return (HOPPER, HOPPER_FLASHMLA_FIRST, HOPPER_VLLM_FA3_FIRST, *splitk)
     return (rank(spec, platform),)

@@ -43,11 +43,12 @@ class Case:
     info: dict = field(default_factory=dict)
 
     def batch_for(self, cuda_graph: bool) -> DecodeBatch:
-        """The batch as vLLM's builder plans it: under CUDA graphs with the exact host
-        lengths (vLLM's ``seq_lens_cpu_upper_bound``, exact outside asynchronous
-        speculation), which there only the ``vllm-fa3-mla`` split rule reads."""
-        if not cuda_graph:
-            return self.batch
+        """The batch as vLLM's builder plans it, with the exact host lengths (vLLM's
+        ``seq_lens_cpu_upper_bound``, exact outside asynchronous speculation): an eager
+        decoder ranks by them (FA3's plan imbalance, ``policy.wants_lengths``; until run 148
+        the bench's eager rows went without them and so ranked by the fallback thresholds),
+        under CUDA graphs only the ``vllm-fa3-mla`` split rule reads them."""
+        del cuda_graph  # the same batch either way; the decoder decides what it reads
         return replace(self.batch, seq_lens_host=torch.tensor(self.lens_host,
                                                               dtype=torch.int32))
 

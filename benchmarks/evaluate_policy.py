@@ -260,18 +260,25 @@ def main(*argv: str) -> None:
     if search:
         print_graph_bounds_search(paths, check, lens, vs)
         return
+    every: dict[str, list[float]] = defaultdict(list)
     for path in paths:
         rs = ratios(path, lens, rule, vs, node_us)
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:
                 continue
+            every[kv] += [x[0] for x in sel]
             geo, worst, n = summary([x[0] for x in sel])
             low = sorted(x for x in sel if x[0] < 0.95)
             print(f"{path} {kv}: {n} shapes, worst {worst:.3f}, "
                   f"geomean {geo:.3f}, under 0.95: {len(low)}")
             for ratio, shape, name in low:
                 print(f"    {ratio:.3f} {shape} ({name})")
+    if len(paths) > 1:
+        for kv, rs in every.items():
+            geo, worst, n = summary(rs)
+            print(f"all {len(paths)} files {kv}: {n} shapes, worst {worst:.3f}, "
+                  f"geomean {geo:.3f}, under 0.95: {sum(r < 0.95 for r in rs)}")
 
 
 if __name__ == "__main__":

@@ -121,6 +121,10 @@ SPLITK_CASES = [
     (16, 32, shape(64, 4 * K, 2 * K), "flashinfer-fa3"),  # 32-token pages: not measured
     (32, 64, shape(128, 8 * K, 4 * K), "flashinfer-fa3"),  # 32 rows: two row groups, slower
     (8, 64, shape(155, 2400, 2376), "flashinfer-fa3"),  # 8 rows: 368k tokens but uniform
+    (8, 64, shape(155, 32 * K, 8 * K), "cuda-splitk"),  # 8 rows, ragged (runs 147-148)
+    (8, 64, shape(47, 32 * K, 8 * K), "flashmla"),  # 8 rows, below 48 requests
+    (8, 64, shape(64, 12 * K), "cuda-splitk"),  # 8 rows, uniform from 8k on
+    (8, 64, shape(64, 4 * K), "flashinfer-fa3"),  # 8 rows, uniform 4k: 256k tokens, below 8k
     (16, 64, BatchShape(96, 1), "cuda-splitk"),  # CUDA graphs: by batch size alone
     (16, 64, BatchShape(1024, 1), "cuda-splitk"),
     (16, 64, BatchShape(1025, 1), "flashmla"),  # beyond the kernel's batch
@@ -153,17 +157,19 @@ def test_splitk_never_for_fp8_other_rows_or_off_hopper(splitk_present):
         for ranking in (*policy.rankings(s, H200),
                         *policy.rankings(s, H200, cuda_graph=True, max_batch_size=256)):
             assert "cuda-splitk" not in ranking, (s, ranking)
-    # 8 rows per request: under CUDA graphs only (eager 8-row batches were not measured)
+    # 8 rows per request: ahead of vLLM's FA3 kernel under CUDA graphs, and by the rule of
+    # 9-16 rows with lengths known (eager)
     eight = spec(8)
-    assert not policy.splitk_candidate(eight) and policy.splitk_candidate(eight, cuda_graph=True)
-    assert not policy.hopper_prefers_splitk(eight, shape(155, 32 * K, 8 * K))
+    assert policy.splitk_candidate(eight)
+    assert policy.hopper_prefers_splitk(eight, shape(155, 32 * K, 8 * K))
     assert policy.rank(eight, H200, BatchShape(64, 1)) == ("cuda-splitk",
                                                           *policy.HOPPER_VLLM_FA3_FIRST)
     graph_only = ("cuda-splitk", *policy.HOPPER_VLLM_FA3_FIRST)
     assert graph_only in policy.rankings(eight, H200, cuda_graph=True)
     assert graph_only in policy.rankings(eight, H200, cuda_graph=True, max_batch_size=33)
     assert graph_only not in policy.rankings(eight, H200, cuda_graph=True, max_batch_size=32)
-    assert not any("cuda-splitk" in r for r in policy.rankings(eight, H200))  # eager
+    eager = policy.rankings(eight, H200)
+    assert graph_only not in eager and ("cuda-splitk", *policy.HOPPER) in eager
     assert "cuda-splitk" not in policy.rank(spec(16), B200, BatchShape(256, 1))
     assert choose_route(spec(16, kv=FP8), H200, shape=BatchShape(256, 1)).name == "flashmla-fp8"
 
@@ -561,22 +567,24 @@ def test_splitk_eager_rule_leaves_one_long_request_to_the_ranking_below(splitk_p
     ["run48-random-6.csv", "run48-random-7.csv", "run48-random-8.csv"],  # fresh seeds
 ], ids=["fit", "fresh"])
 def test_splitk_rule_holds_on_every_timed_shape(files):
-    """Where the rule picks the split-KV kernel: with lengths known (eager) it ran at least
-    as fast as the best peer on every timed shape; under CUDA graphs (batch size only) at
-    least 0.94x FlashMLA, the route it displaces at 9-16 rows (timed as the engine runs it,
-    its schedule kernel once per step: h8 b152 7.5k uniform q2 0.944, seed 8), and faster on
-    geometric mean. 8-row batches displace vLLM's FA3 kernel, which these runs did not time
-    (``test_eight_row_graph_rule_holds_on_every_timed_shape``)."""
+    """Where the rule picks the split-KV kernel for 9-16 query rows per request: with
+    lengths known (eager) it ran at least as fast as the best peer on every timed shape;
+    under CUDA graphs (batch size only) at least 0.94x FlashMLA, the route it displaces
+    (timed as the engine runs it, its schedule kernel once per step: h8 b152 7.5k uniform q2
+    0.944, seed 8), and faster on geometric mean. 8-row batches were decided on later runs
+    with today's kernel (``test_eight_row_*_rule_holds_on_every_timed_shape``; on these
+    runs' kernel their eager picks ran 0.94-1.20x the best peer)."""
     eager, graph = [], []
     for r, t in _splitk_timed_shapes(files):
         heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
+        if heads * q <= policy.VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
+            continue
         s = spec(heads, block=int(r["block"]), q_len=q)
         lens = BatchShape(b, q, int(r["max_len"]), int(r["kv_tokens"]))
         best = min(v for k, v in t.items() if k.startswith("peer:"))
         if policy.rank(s, H200, lens)[0] == "cuda-splitk":
             eager.append(best / t["route:cuda-splitk"])
-        if (policy.rank(s, H200, BatchShape(b, q))[0] == "cuda-splitk"
-                and heads * q > policy.VLLM_FA3_GRAPH_MAX_REQUEST_ROWS):
+        if policy.rank(s, H200, BatchShape(b, q))[0] == "cuda-splitk":
             graph.append(t["peer:vllm-flashmla"] / t["route:cuda-splitk"])
     assert len(eager) >= 6 and len(graph) >= 8, (len(eager), len(graph))
     assert min(eager) >= 1.0, eager
@@ -608,6 +616,48 @@ def test_eight_row_graph_rule_holds_on_every_timed_shape(name):
     assert len(picks) >= 30
     assert geomean(picks) > 1.0 and geomean(picks) > geomean(before) + 0.1
     assert min(picks) > min(before)
+
+
+@pytest.mark.parametrize(("run", "seeds"), [("run147", range(112, 117)),
+                                           ("run148", range(117, 123)),
+                                           ("run149", range(117, 120))],
+                         ids=["decided-on", "fresh", "fresh-retimed"])
+def test_eight_row_eager_rule_holds_on_every_timed_shape(run, seeds, monkeypatch):
+    """8-row batches (8 heads, one token) of 33-1024 requests with lengths known (eager),
+    every route and peer timed (``bench_decode.py --extra-routes cuda-splitk``): run 147
+    decided to give them the split-KV rule of 9-16 rows unchanged, run 148 timed fresh seeds,
+    run 149 three of them again. The eager rule replayed with the lengths, against the best
+    peer: a higher geometric mean than the rule before (8-row batches never on the kernel),
+    the shapes that switch faster on geometric mean, none of them under 0.92."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    import json
+
+    from evaluate_policy import ratios
+
+    d = root / "docs" / "bench-2026-12-03"
+    lens = {json.loads(line)["shape"]: json.loads(line)["lens"]
+            for line in (d / f"{run}-eager8-shapes.jsonl").read_text().splitlines()}
+    files = [str(d / f"{run}-eager8-random-{seed}.csv") for seed in seeds]
+
+    def replay() -> dict[tuple[str, str], tuple[float, str]]:
+        return {(f, shape): (r, name) for f in files
+                for r, shape, name in ratios(f, lens, "eager")}
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+    after = replay()
+    monkeypatch.setattr(policy, "SPLITK_MIN_REQUEST_ROWS",
+                        policy.VLLM_FA3_GRAPH_MAX_REQUEST_ROWS + 1)
+    before = replay()
+    switched = [k for k in after if after[k][1] != before[k][1]]
+    assert all(after[k][1] == "route:cuda-splitk" for k in switched)
+    assert len(after) >= 45 and len(switched) >= 10, (len(after), len(switched))
+    assert (geomean([v[0] for v in after.values()])
+            > geomean([v[0] for v in before.values()]) + 0.005)
+    assert geomean([after[k][0] for k in switched]) > geomean([before[k][0] for k in switched])
+    assert min(after[k][0] for k in switched) >= 0.92
 
 
 def test_short_prefills_take_vllm_fa3_on_hopper_16bit_caches_only(kernels_present):

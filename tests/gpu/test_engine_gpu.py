@@ -32,7 +32,7 @@ Run (H200 with the vLLM kit, from the repository root)::
     export TRTLLM_MLA_TEST_OUT=$OUT TRTLLM_MLA_ENGINE_CACHE=/tmp/trtllm-mla-engines
     python3 -m pytest -q -rs tests/gpu/test_engine_gpu.py -m "not slow"
 
-That starts 13 engines and one server (two with torch.compile). ``-m slow`` selects the
+That starts 15 engines and one server (two with torch.compile). ``-m slow`` selects the
 optional cases (MTP with 1 and 2 draft tokens, n-gram, FLASHMLA with MTP: 4 more engines);
 ``-k tensor_parallel`` needs two GPUs (2 engines). ``TRTLLM_MLA_TEST_OUT`` keeps every
 engine's log, config and result, and ``summary.json`` (engine times, agreement per
@@ -141,7 +141,7 @@ CLIENT_LENS = [(97 * i) % 1500 + 1 for i in range(32)]
 CLIENT_TOKENS = [8 + 4 * (i % 5) for i in range(32)]
 CLIENT_PROMPTS = [prompt_ids(n, 4000 + i) for i, n in enumerate(CLIENT_LENS)]
 #: 128 requests decoding together: under CUDA graphs the SM90 policy gives batches of
-#: 96-1024 requests with 16 query rows each to the plugin's own split-KV kernel (rule 2b).
+#: 33-1024 requests with 8-16 query rows each to the plugin's own split-KV kernel (rule 2b).
 #: Lengths 60-2959 across 64-token pages.
 WIDE_LENS = [(211 * i) % 2900 + 60 for i in range(128)]
 #: Requests finish in six waves, so the decode batch runs 128, 107, 85, 64, 43 and 21 wide:
@@ -230,6 +230,15 @@ ENGINES: dict[str, EngineSpec] = {
                                          "attention_backend": "FLASHMLA",
                                          "compilation_config": WIDE_GRAPHS},
                                 workloads=("wide",)),
+    # The same with 8 heads: 8 query rows per request, where the alternative below 33
+    # requests is vLLM's FA3 kernel; FLASH_ATTN_MLA is vLLM's bf16 default on Hopper.
+    "trtllm-wide-h8": EngineSpec("h8", _trtllm(block_size=64, max_num_seqs=128,
+                                               compilation_config=WIDE_GRAPHS),
+                                 workloads=("wide",)),
+    "fa3-wide-h8": EngineSpec("h8", {"block_size": 64, "max_num_seqs": 128,
+                                     "attention_backend": "FLASH_ATTN_MLA",
+                                     "compilation_config": WIDE_GRAPHS},
+                              workloads=("wide",)),
     "trtllm-b32": EngineSpec("main", _trtllm(block_size=32, compilation_config=FAST_GRAPHS)),
     "triton-b32": EngineSpec("main", {"block_size": 32, "attention_backend": "TRITON_MLA",
                                       "compilation_config": FAST_GRAPHS}),
@@ -327,6 +336,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
                                        dtype="bfloat16"),
         "mtp": build_tiny_deepseek_v3(root / "mtp", num_layers=1, num_heads=16,
                                       mtp_layers=1, dtype="bfloat16"),
+        # 8 heads per rank: Kimi-K2 at TP 8, DeepSeek-V3 at TP 16.
+        "h8": build_tiny_deepseek_v3(root / "h8", num_layers=3, num_heads=8,
+                                     dtype="bfloat16"),
     }
 
 
@@ -517,20 +529,28 @@ def test_fp8_kv_cache_is_really_fp8(engine):
     assert 0 < max(moved) < 0.5, moved
 
 
-def test_wide_batch_on_split_kv_kernel_matches_flashmla(engine):
+WIDE_CASES = [("trtllm-wide", "flashmla-wide", "FLASHMLA"),
+              ("trtllm-wide-h8", "fa3-wide-h8", "FLASH_ATTN_MLA")]
+
+
+@pytest.mark.parametrize("ours_name,ref_name,ref_backend", WIDE_CASES,
+                         ids=["h16", "h8"])
+def test_wide_batch_on_split_kv_kernel_matches_vllm(engine, ours_name: str, ref_name: str,
+                                                    ref_backend: str):
     """128 requests decoding together under CUDA graphs, finishing in waves (batches of
     128 down to 21): the plugin's decoder holds its own split-KV kernel (``cuda-splitk``,
-    built with the machine's nvcc at engine start) for the batches of 33 or more, and the
-    generations match FLASHMLA's."""
+    built with the machine's nvcc at engine start) for the batches of 33 or more and vLLM's
+    FA3 kernel below, and the generations match vLLM's own backend's. 16 heads (16 query
+    rows per request) against FLASHMLA; 8 heads (8 rows) against FLASH_ATTN_MLA."""
     from trtllm_mla_plugin.ops.kernels.nvcc_build import cached_cubin, find_nvcc
     from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import CAPABILITY, SOURCE
 
     if find_nvcc() is None and cached_cubin(SOURCE, CAPABILITY) is None:
         pytest.skip("no nvcc and no prebuilt split-KV kernel on this machine")
-    ours, ref = engine("trtllm-wide"), engine("flashmla-wide")
+    ours, ref = engine(ours_name), engine(ref_name)
     assert_plugin_served(ours)
-    assert "cuda-splitk" in ours.route().split("+"), ours.route()
-    assert_vllm_served(ref, "FLASHMLA")
+    assert ours.route().split("+") == ["vllm-fa3-mla", "cuda-splitk"], ours.route()
+    assert_vllm_served(ref, ref_backend)
     assert_same_generations(engine, ours, ref, "wide")
 
 

@@ -38,7 +38,7 @@ BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 HOPPER = (FA3, FLASHMLA, VLLM_FA3, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, VLLM_FA3, FA2, REFERENCE)
 HOPPER_VLLM_FA3_FIRST = (VLLM_FA3, FLASHMLA, FA3, FA2, REFERENCE)
-# SM90, 16-bit cache, 9-16 query rows per request (8-16 under CUDA graphs), large batches:
+# SM90, 16-bit cache, 8-16 query rows per request, large batches:
 # the plugin's CUDA split-KV kernel (``hopper_prefers_splitk``) ahead of whichever ranking
 # the batch has without it (what runs where nvcc is missing).
 # SM90, FP8 cache: FlashMLA's dense FP8 kernel (FP8 query) first for every batch. Behind it,
@@ -181,9 +181,9 @@ VLLM_FA3_HALVED_SPLITS_MIN_TILE_ROWS = 16
 VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES = 8
 FA3_SPLIT_MARGIN = 1.1
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
-#: more than VLLM_FA3_GRAPH_MAX_REQUEST_ROWS and at most this many query rows per request
-#: (heads x query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and
-#: lost to every peer, 0.64x at h32 b64 4k ragged) ...
+#: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
+#: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to
+#: every peer, 0.64x at h32 b64 4k ragged) ...
 SPLITK_MAX_REQUEST_ROWS = 16
 #: ... on pages FlashMLA also reads (64 tokens: where it was measured against FlashMLA) ...
 SPLITK_PAGE_MULTIPLE = 64
@@ -201,7 +201,7 @@ SPLITK_MIN_BATCH = 48
 #: the worst shape (0.655 against 0.609). Short contexts lose either way (0.65-0.8; vLLM's
 #: FA3 kernel is faster there), which a graph cannot see.
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
-#: Under CUDA graphs the kernel also takes, from SPLITK_GRAPH_MIN_BATCH requests on, batches
+#: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at
 #: TP16; half a 16-row tile), ahead of vLLM's FA3 kernel, which the rule of
 #: VLLM_FA3_GRAPH_MAX_REQUEST_ROWS gave them at any batch size. Run 141 (seeds 97-98, 43
@@ -211,8 +211,12 @@ SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
 #: fresh seeds 99-100 (run 142, 38 shapes): 1.027 (0.755) against 0.903 (0.696). Against
 #: FLASHMLA's call alone it was faster on every shape (1.03-1.7x); against FLASH_ATTN_MLA's
 #: it loses short contexts (0.76-0.83 at 0.3-1.1k tokens), as at 16 rows. With lengths
-#: (eager) 8-row batches keep vLLM's FA3 kernel: not measured there.
-SPLITK_GRAPH_MIN_REQUEST_ROWS = VLLM_FA3_GRAPH_MAX_REQUEST_ROWS
+#: known (eager) 8-row batches follow the rule of 9-16 rows below, unchanged: run 147
+#: (seeds 112-116, 65 random 8-row shapes of 33-1024 requests, every route timed) replays
+#: 1.006 -> 1.029 on geomean against the best peer, worst 0.920 -> 0.987, all 22 shapes
+#: that switch faster (1.04-1.13 after, 0.92-1.09 before); on fresh seeds 117-122 (run 148,
+#: 93 shapes) 1.020 -> 1.032, worst 0.936 -> 0.921 (33 switch: 1.048 -> 1.083).
+SPLITK_MIN_REQUEST_ROWS = VLLM_FA3_GRAPH_MAX_REQUEST_ROWS
 #: ... and at most this many (the kernel keeps a step's lengths in shared memory).
 SPLITK_MAX_BATCH = 1024
 #: ... and, when the lengths are known (no CUDA graph: FlashInfer FA3 is the alternative),
@@ -451,17 +455,14 @@ def vllm_fa3_halved_splits(spec: DecodeSpec, max_q_len: int, max_seq_len: int,
     return work_tiles >= least
 
 
-def splitk_candidate(spec: DecodeSpec, cuda_graph: bool = False) -> bool:
+def splitk_candidate(spec: DecodeSpec) -> bool:
     """Whether the SM90 rule can pick the CUDA split-KV kernel for some batch of ``spec``:
-    a 16-bit cache on pages of ``SPLITK_PAGE_MULTIPLE`` tokens and 9-16 query rows per
-    request at ``spec.max_q_len`` (8-16 under CUDA graphs, ``cuda_graph``; the kernel's row
-    groups are built for that length, so a step with fewer query tokens runs the same
-    kernel)."""
+    a 16-bit cache on pages of ``SPLITK_PAGE_MULTIPLE`` tokens and 8-16 query rows per
+    request at ``spec.max_q_len`` (the kernel's row groups are built for that length, so a
+    step with fewer query tokens runs the same kernel)."""
     rows = spec.num_heads * spec.max_q_len
-    least = (SPLITK_GRAPH_MIN_REQUEST_ROWS if cuda_graph
-             else VLLM_FA3_GRAPH_MAX_REQUEST_ROWS + 1)
     return (not spec.fp8_kv and spec.block_size % SPLITK_PAGE_MULTIPLE == 0
-            and least <= rows <= SPLITK_MAX_REQUEST_ROWS)
+            and SPLITK_MIN_REQUEST_ROWS <= rows <= SPLITK_MAX_REQUEST_ROWS)
 
 
 def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
@@ -472,8 +473,7 @@ def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if shape is None or shape.batch_size > SPLITK_MAX_BATCH:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: batch size alone
-        return (splitk_candidate(spec, cuda_graph=True)
-                and shape.batch_size >= SPLITK_GRAPH_MIN_BATCH)
+        return splitk_candidate(spec) and shape.batch_size >= SPLITK_GRAPH_MIN_BATCH
     if not splitk_candidate(spec):
         return False
     if shape.batch_size < SPLITK_MIN_BATCH:
@@ -575,9 +575,10 @@ def rankings(
         if spec.fp8_kv:
             few_heads = (HOPPER_FP8_FEW_HEADS,) if triton_fp8_candidate(spec) else ()
             return (HOPPER_FP8, *few_heads)
-        splitk = (((SPLITK, *HOPPER), (SPLITK, *HOPPER_FLASHMLA_FIRST))
-                  if splitk_candidate(spec) else ())
-        if cuda_graph and splitk_candidate(spec, cuda_graph=True):  # 8 rows: graphs only
-            splitk += ((SPLITK, *HOPPER_VLLM_FA3_FIRST),)
+        splitk: tuple[tuple[str, ...], ...] = ()
+        if splitk_candidate(spec):
+            splitk = ((SPLITK, *HOPPER), (SPLITK, *HOPPER_FLASHMLA_FIRST))
+            if cuda_graph:  # 8-row batches that vLLM's FA3 rule gives the rest
+                splitk += ((SPLITK, *HOPPER_VLLM_FA3_FIRST),)
         return (HOPPER, HOPPER_FLASHMLA_FIRST, HOPPER_VLLM_FA3_FIRST, *splitk)
     return (rank(spec, platform),)

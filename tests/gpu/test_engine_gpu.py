@@ -191,6 +191,12 @@ def _trtllm(**llm: Any) -> dict[str, Any]:
     return {"attention_backend": "TRTLLM_MLA", **llm}
 
 
+def _wide(model: str, backend: str) -> EngineSpec:
+    """The "wide" workload on ``backend``: 128 requests at once under CUDA graphs."""
+    return EngineSpec(model, {"block_size": 64, "max_num_seqs": 128, "attention_backend": backend,
+                              "compilation_config": WIDE_GRAPHS}, workloads=("wide",))
+
+
 def _spec(kind: dict[str, Any], backend: str, num: int | None = None) -> dict[str, Any]:
     config = dict(kind)
     if num is not None:
@@ -223,22 +229,11 @@ ENGINES: dict[str, EngineSpec] = {
                                       "compilation_config": FAST_GRAPHS}),
     # FLASHMLA pages 64 tokens only: block 32 is compared with TRITON_MLA.
     # 128 requests at once: the plugin's split-KV kernel under CUDA graphs.
-    "trtllm-wide": EngineSpec("main", _trtllm(block_size=64, max_num_seqs=128,
-                                              compilation_config=WIDE_GRAPHS),
-                              workloads=("wide",)),
-    "flashmla-wide": EngineSpec("main", {"block_size": 64, "max_num_seqs": 128,
-                                         "attention_backend": "FLASHMLA",
-                                         "compilation_config": WIDE_GRAPHS},
-                                workloads=("wide",)),
-    # The same with 8 heads: 8 query rows per request, where the alternative below 33
-    # requests is vLLM's FA3 kernel; FLASH_ATTN_MLA is vLLM's bf16 default on Hopper.
-    "trtllm-wide-h8": EngineSpec("h8", _trtllm(block_size=64, max_num_seqs=128,
-                                               compilation_config=WIDE_GRAPHS),
-                                 workloads=("wide",)),
-    "fa3-wide-h8": EngineSpec("h8", {"block_size": 64, "max_num_seqs": 128,
-                                     "attention_backend": "FLASH_ATTN_MLA",
-                                     "compilation_config": WIDE_GRAPHS},
-                              workloads=("wide",)),
+    "trtllm-wide": _wide("main", "TRTLLM_MLA"),
+    "flashmla-wide": _wide("main", "FLASHMLA"),
+    # The same with 8 heads (8 query rows per request), against vLLM's bf16 default on Hopper.
+    "trtllm-wide-h8": _wide("h8", "TRTLLM_MLA"),
+    "fa3-wide-h8": _wide("h8", "FLASH_ATTN_MLA"),
     "trtllm-b32": EngineSpec("main", _trtllm(block_size=32, compilation_config=FAST_GRAPHS)),
     "triton-b32": EngineSpec("main", {"block_size": 32, "attention_backend": "TRITON_MLA",
                                       "compilation_config": FAST_GRAPHS}),

@@ -31,6 +31,12 @@ class Case:
 
     ``query [b * q_len, heads, 576]``, ``caches``: rotation copies of
     ``[num_blocks, block, 576]``; ``block_table [b, width]`` int32; ``seq_lens [b]`` int32.
+    ``batch`` is as vLLM's builder hands it over, with the exact host lengths
+    (``seq_lens_host``: vLLM's ``seq_lens_cpu_upper_bound``, exact outside asynchronous
+    speculation): an eager decoder ranks by them (FA3's plan imbalance,
+    ``policy.wants_lengths``; until run 148 the bench's eager rows went without them and
+    ranked by the fallback thresholds), under CUDA graphs only the ``vllm-fa3-mla`` split
+    rule reads them.
     """
 
     name: str
@@ -42,15 +48,6 @@ class Case:
     q_len: int
     info: dict = field(default_factory=dict)
 
-    def batch_for(self, cuda_graph: bool) -> DecodeBatch:
-        """The batch as vLLM's builder plans it, with the exact host lengths (vLLM's
-        ``seq_lens_cpu_upper_bound``, exact outside asynchronous speculation): an eager
-        decoder ranks by them (FA3's plan imbalance, ``policy.wants_lengths``; until run 148
-        the bench's eager rows went without them and so ranked by the fallback thresholds),
-        under CUDA graphs only the ``vllm-fa3-mla`` split rule reads them."""
-        del cuda_graph  # the same batch either way; the decoder decides what it reads
-        return replace(self.batch, seq_lens_host=torch.tensor(self.lens_host,
-                                                              dtype=torch.int32))
 
 
 @dataclass
@@ -88,7 +85,7 @@ def decoder_kernel(
             return Kernel(name, absent=f"not eligible: {reason}")
     dec = MLADecoder(spec, device, case.batch.batch_size, route=route, cuda_graph=cuda_graph)
     dec.sort_override = sort
-    dec.plan(case.batch_for(cuda_graph))
+    dec.plan(case.batch)
     out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,
                       dtype=dec.output_dtype, device=device)
     own = engine_query and dec.route.own_output

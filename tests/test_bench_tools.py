@@ -649,7 +649,6 @@ def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, 
     case = types.SimpleNamespace(name="h16 b4", batch=types.SimpleNamespace(batch_size=4),
                                  caches=[0], q_len=1, lens_host=[9, 70, 1, 3000],
                                  spec=types.SimpleNamespace(num_heads=16))
-    case.batch_for = lambda cuda_graph: case.batch
     kernel = types.SimpleNamespace(
         call=lambda cache: torch.full((2,), 1.0 + 0.01 * (route._schedule.overhead_blocks != 5)),
         obj=types.SimpleNamespace(route=route))
@@ -741,8 +740,7 @@ def test_fa3_split_sweep_plans_and_times_each_cap_on_small_batches(monkeypatch, 
 
     def make_case(shape, seed, device):
         made.append(shape)
-        return type("C", (), {"name": f"b{shape[1]}", "caches": [0], "batch": "batch",
-                              "batch_for": lambda self, graph: "batch"})()
+        return type("C", (), {"name": f"b{shape[1]}", "caches": [0], "batch": "batch"})()
 
     class Route:
         max_splits_override = None

@@ -532,6 +532,10 @@ def test_graph_rule_follows_the_paired_engine_rounds():
     assert decided == 2
 
 
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
 def _splitk_timed_shapes(files: list[str]):
     """(row, times by kernel) of each bf16 shape in ``docs/bench-2026-12-01`` CSVs that
     timed the split-KV route forced (``route:cuda-splitk``) beside every peer."""
@@ -610,11 +614,8 @@ def test_eight_row_graph_rule_holds_on_every_timed_shape(name):
         before.append(ab.score(times, "vllm-fa3-mla"))
         assert times["peer:vllm-flashmla"] > times["cuda-splitk"], (batch, times)
 
-    def geomean(values: list[float]) -> float:
-        return math.exp(sum(math.log(v) for v in values) / len(values))
-
     assert len(picks) >= 30
-    assert geomean(picks) > 1.0 and geomean(picks) > geomean(before) + 0.1
+    assert _geomean(picks) > 1.0 and _geomean(picks) > _geomean(before) + 0.1
     assert min(picks) > min(before)
 
 
@@ -644,9 +645,6 @@ def test_eight_row_eager_rule_holds_on_every_timed_shape(run, seeds, monkeypatch
         return {(f, shape): (r, name) for f in files
                 for r, shape, name in ratios(f, lens, "eager")}
 
-    def geomean(values: list[float]) -> float:
-        return math.exp(sum(math.log(v) for v in values) / len(values))
-
     after = replay()
     monkeypatch.setattr(policy, "SPLITK_MIN_REQUEST_ROWS",
                         policy.VLLM_FA3_GRAPH_MAX_REQUEST_ROWS + 1)
@@ -654,9 +652,9 @@ def test_eight_row_eager_rule_holds_on_every_timed_shape(run, seeds, monkeypatch
     switched = [k for k in after if after[k][1] != before[k][1]]
     assert all(after[k][1] == "route:cuda-splitk" for k in switched)
     assert len(after) >= 45 and len(switched) >= 10, (len(after), len(switched))
-    assert (geomean([v[0] for v in after.values()])
-            > geomean([v[0] for v in before.values()]) + 0.005)
-    assert geomean([after[k][0] for k in switched]) > geomean([before[k][0] for k in switched])
+    assert (_geomean([v[0] for v in after.values()])
+            > _geomean([v[0] for v in before.values()]) + 0.005)
+    assert _geomean([after[k][0] for k in switched]) > _geomean([before[k][0] for k in switched])
     assert min(after[k][0] for k in switched) >= 0.92
 
 
@@ -815,7 +813,7 @@ def test_eager_rule_scores_on_the_measured_shapes(files, floor):
     for run in sorted({f[:5] for f in files}):
         measured += scores(f"{run}-shapes.jsonl", [f for f in files if f.startswith(run)])
     assert len(measured) >= 32
-    assert math.exp(sum(math.log(x) for x in measured) / len(measured)) >= floor
+    assert _geomean(measured) >= floor
     grid = (scores("run46-shapes.jsonl", ["run46-decode.csv"])
             + scores("run52-shapes.jsonl", ["run52-decode.csv"]))
     assert len(grid) >= 14 and min(grid) >= 0.95, sorted(grid)[:3]

@@ -38,9 +38,9 @@ BLACKWELL = ("trtllm-gen", "flashinfer-cute-dsl", FA2, REFERENCE)
 HOPPER = (FA3, FLASHMLA, VLLM_FA3, FA2, REFERENCE)
 HOPPER_FLASHMLA_FIRST = (FLASHMLA, FA3, VLLM_FA3, FA2, REFERENCE)
 HOPPER_VLLM_FA3_FIRST = (VLLM_FA3, FLASHMLA, FA3, FA2, REFERENCE)
-# SM90, 16-bit cache, 8-16 query rows per request, large batches:
-# the plugin's CUDA split-KV kernel (``hopper_prefers_splitk``) ahead of whichever ranking
-# the batch has without it (what runs where nvcc is missing).
+# SM90, 16-bit cache, 8-16 query rows per request, large batches: the plugin's CUDA split-KV
+# kernel (``hopper_prefers_splitk``) ahead of whichever ranking the batch has without it
+# (what runs where nvcc is missing).
 # SM90, FP8 cache: FlashMLA's dense FP8 kernel (FP8 query) first for every batch. Behind it,
 # for installs without that kernel, the bf16-query routes: FlashInfer FA3 reads FP8 at 9-15%
 # of the copy ceiling; the plugin's page-balanced Triton kernel is 1.3-2x faster than FA3

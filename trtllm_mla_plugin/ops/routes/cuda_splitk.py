@@ -8,9 +8,9 @@ use or a build of it in the plugin's cache (``--build-kernels``), DeepSeek-style
 512 + RoPE 64, a bf16/fp16 query over a cache of the same dtype or of FP8 e4m3 (read with
 the 16-bit query: bf16-query accuracy, unlike FlashMLA's FP8 kernel), pages of a multiple
 of 32 tokens, up to 1024 requests per step and 16 query tokens per request. Which batches
-it serves is ``ops.policy``'s call (``hopper_prefers_splitk``: 9-16 query rows per
-request, 8-16 under CUDA graphs, large batches; measured on the H200 in
-docs/benchmarks.md); ``TRTLLM_MLA_DECODE_ROUTE=cuda-splitk`` forces it.
+it serves is ``ops.policy``'s call (``hopper_prefers_splitk``: 8-16 query rows per
+request, large batches; measured on the H200 in docs/benchmarks.md);
+``TRTLLM_MLA_DECODE_ROUTE=cuda-splitk`` forces it.
 """
 
 from __future__ import annotations

@@ -6,9 +6,10 @@ policy timed forced on every shape, and every peer), picks for each bf16 shape t
 ``ops.policy`` ranks first (per batch, lengths known, as an eager decoder does; ``--graph``:
 batch size and query length only, as a CUDA-graph decoder does; ``--measured``: no replay,
 the ``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself; ``--oracle``:
-the faster of the CUDA-graph decoder's two main routes per shape, the ``vllm-fa3-mla`` and
-``flashmla`` rows, plus ``--node-us US`` per call, which is the best a graph that picked
-between them per step from the step's lengths could score, with its extra graph nodes' cost)
+the fastest of the CUDA-graph decoder's routes per shape, the ``vllm-fa3-mla`` and
+``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row (``cuda-splitk`` where it
+ran that), plus ``--node-us US`` per call, which is the best a graph that picked between
+them per step from the step's lengths could score, with its extra graph nodes' cost)
 and prints its time over the best peer's (``--vs PEER``: over that peer's, e.g.
 ``peer:vllm-fa3-mla``, vLLM's default SM90 kernel for bf16 caches): per file the worst and
 the geometric-mean ratio (> 1: the plugin is faster) and the shapes under 0.95. FP8 shapes
@@ -80,8 +81,8 @@ def policy_row(r: dict, lens: list[int], graph: bool = False,
 
 
 #: What picks the plugin's row: the policy replayed with lengths (``eager``) or without
-#: (``graph``), the CUDA-graph decoder's own timed row (``measured``), or the faster of
-#: ``ORACLE_ROWS`` per shape (``oracle``).
+#: (``graph``), the CUDA-graph decoder's own timed row (``measured``), or the fastest of
+#: ``ORACLE_ROWS`` and that row per shape (``oracle``).
 RULES = ("eager", "graph", "measured", "oracle")
 #: The routes a CUDA-graph decoder picks between for most bf16 batches (``ops.policy``'s
 #: graph rule: vLLM's FA3 kernel for small batches, FlashMLA for the rest).
@@ -139,8 +140,12 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             name = next((n for n in ks if n.startswith("plugin-graph")), None)
         elif rule == "oracle":
             timed = [n for n in ORACLE_ROWS if n in ks]
-            name = (min(timed, key=lambda n: float(ks[n]["us"]))
-                    if len(timed) == len(ORACLE_ROWS) else None)
+            if len(timed) == len(ORACLE_ROWS):
+                # The decoder's own row: its route where it is neither (``cuda-splitk``).
+                timed += [n for n in ks if n.startswith("plugin-graph")]
+                name = min(timed, key=lambda n: float(ks[n]["us"]))
+            else:
+                name = None
             extra_us = node_us
         else:
             name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)

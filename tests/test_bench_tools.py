@@ -556,9 +556,10 @@ def test_policy_scores_flashmla_as_the_engine_runs_it(tmp_path):
 
 
 def test_oracle_scores_the_faster_route_per_shape_plus_its_node_cost(tmp_path):
-    """``evaluate_policy --oracle``: per bf16 shape the faster of the ``vllm-fa3-mla`` and
-    ``flashmla`` rows with ``node_us`` added, over the best peer; shapes missing either
-    row are not scored."""
+    """``evaluate_policy --oracle``: per bf16 shape the fastest of the ``vllm-fa3-mla`` and
+    ``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row (``cuda-splitk``) with
+    ``node_us`` added, over the best peer; shapes missing either of the two routes' rows are
+    not scored."""
     import evaluate_policy
 
     rows = ("pass_no,shape,kernel,status,us,kv\n"
@@ -566,14 +567,19 @@ def test_oracle_scores_the_faster_route_per_shape_plus_its_node_cost(tmp_path):
             "1,a,peer:vllm-fa3-mla,ok,21.0,bf16\n1,a,peer:vllm-flashmla,ok,33.0,bf16\n"
             "1,b,vllm-fa3-mla,ok,50.0,bf16\n1,b,flashmla,ok,40.0,bf16\n"
             "1,b,peer:vllm-fa3-mla,ok,50.0,bf16\n1,b,peer:vllm-flashmla,ok,44.0,bf16\n"
-            "1,c,flashmla,ok,40.0,bf16\n1,c,peer:vllm-flashmla,ok,44.0,bf16\n")
+            "1,c,flashmla,ok,40.0,bf16\n1,c,peer:vllm-flashmla,ok,44.0,bf16\n"
+            "1,d,vllm-fa3-mla,ok,30.0,bf16\n1,d,flashmla,ok,35.0,bf16\n"
+            "1,d,plugin-graph[cuda-splitk],ok,25.0,bf16\n"
+            "1,d,peer:vllm-fa3-mla,ok,30.0,bf16\n1,d,peer:vllm-flashmla,ok,36.0,bf16\n")
     path = tmp_path / "random-1.csv"
     path.write_text(rows)
     got = sorted(evaluate_policy.ratios(str(path), {}, "oracle", node_us=2.0), key=lambda x: x[1])
-    assert [(s, n) for _, s, n in got] == [("a", "vllm-fa3-mla"), ("b", "flashmla")]
-    assert got[0][0] == pytest.approx(21.0 / 22.0) and got[1][0] == pytest.approx(44.0 / 42.0)
+    assert [(s, n) for _, s, n in got] == [("a", "vllm-fa3-mla"), ("b", "flashmla"),
+                                           ("d", "plugin-graph[cuda-splitk]")]
+    assert [r for r, _, _ in got] == pytest.approx([21.0 / 22.0, 44.0 / 42.0, 30.0 / 27.0])
     vs_fa3 = evaluate_policy.ratios(str(path), {}, "oracle", vs="peer:vllm-fa3-mla")
-    assert sorted(r for r, _, _ in vs_fa3) == pytest.approx([21.0 / 20.0, 50.0 / 40.0])
+    assert sorted(r for r, _, _ in vs_fa3) == pytest.approx([21.0 / 20.0, 30.0 / 25.0,
+                                                             50.0 / 40.0])
 
 
 def test_graph_bounds_search_replays_each_bound_and_restores_the_policy(tmp_path):

@@ -7,8 +7,8 @@ policy timed forced on every shape, and every peer), picks for each bf16 shape t
 batch size and query length only, as a CUDA-graph decoder does; ``--measured``: no replay,
 the ``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself; ``--oracle``:
 the fastest of the CUDA-graph decoder's routes per shape, the ``vllm-fa3-mla`` and
-``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row (``cuda-splitk`` where it
-ran that), plus ``--node-us US`` per call, which is the best a graph that picked between
+``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row where it ran another route
+(``cuda-splitk``), plus ``--node-us US`` per call, which is the best a graph that picked between
 them per step from the step's lengths could score, with its extra graph nodes' cost)
 and prints its time over the best peer's (``--vs PEER``: over that peer's, e.g.
 ``peer:vllm-fa3-mla``, vLLM's default SM90 kernel for bf16 caches): per file the worst and
@@ -141,8 +141,10 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
         elif rule == "oracle":
             timed = [n for n in ORACLE_ROWS if n in ks]
             if len(timed) == len(ORACLE_ROWS):
-                # The decoder's own row: its route where it is neither (``cuda-splitk``).
-                timed += [n for n in ks if n.startswith("plugin-graph")]
+                # The decoder's own row where its route is neither (``cuda-splitk``); not a
+                # second timing of one of them, whose minimum would favour noise.
+                timed += [n for n in ks if n.startswith("plugin-graph[")
+                          and n[len("plugin-graph["):-1] not in ORACLE_ROWS]
                 name = min(timed, key=lambda n: float(ks[n]["us"]))
             else:
                 name = None

@@ -557,9 +557,9 @@ def test_policy_scores_flashmla_as_the_engine_runs_it(tmp_path):
 
 def test_oracle_scores_the_faster_route_per_shape_plus_its_node_cost(tmp_path):
     """``evaluate_policy --oracle``: per bf16 shape the fastest of the ``vllm-fa3-mla`` and
-    ``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row (``cuda-splitk``) with
-    ``node_us`` added, over the best peer; shapes missing either of the two routes' rows are
-    not scored."""
+    ``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row where it ran another
+    route (``cuda-splitk``) with ``node_us`` added, over the best peer; shapes missing either
+    of the two routes' rows are not scored."""
     import evaluate_policy
 
     rows = ("pass_no,shape,kernel,status,us,kv\n"
@@ -570,7 +570,9 @@ def test_oracle_scores_the_faster_route_per_shape_plus_its_node_cost(tmp_path):
             "1,c,flashmla,ok,40.0,bf16\n1,c,peer:vllm-flashmla,ok,44.0,bf16\n"
             "1,d,vllm-fa3-mla,ok,30.0,bf16\n1,d,flashmla,ok,35.0,bf16\n"
             "1,d,plugin-graph[cuda-splitk],ok,25.0,bf16\n"
-            "1,d,peer:vllm-fa3-mla,ok,30.0,bf16\n1,d,peer:vllm-flashmla,ok,36.0,bf16\n")
+            "1,d,peer:vllm-fa3-mla,ok,30.0,bf16\n1,d,peer:vllm-flashmla,ok,36.0,bf16\n"
+            # a second timing of a route the oracle already has is not a candidate
+            "1,b,plugin-graph[flashmla],ok,30.0,bf16\n")
     path = tmp_path / "random-1.csv"
     path.write_text(rows)
     got = sorted(evaluate_policy.ratios(str(path), {}, "oracle", node_us=2.0), key=lambda x: x[1])

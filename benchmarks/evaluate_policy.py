@@ -87,6 +87,8 @@ RULES = ("eager", "graph", "measured", "oracle")
 #: The routes a CUDA-graph decoder picks between for most bf16 batches (``ops.policy``'s
 #: graph rule: vLLM's FA3 kernel for small batches, FlashMLA for the rest).
 ORACLE_ROWS = ("vllm-fa3-mla", "flashmla")
+#: The CUDA-graph decoder's timed row, ``plugin-graph[<route>]`` (``decode_kernels.py``).
+GRAPH_ROW = "plugin-graph"
 
 
 #: First run whose ``peer:vllm-flashmla`` rows have FlashMLA's per-step schedule kernel in
@@ -134,20 +136,19 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             continue
         any_row = next(iter(ks.values()))
         extra_us = 0.0
+        graph_row = next((n for n in ks if n.startswith(GRAPH_ROW)), None)
         if any_row["kv"] == "fp8":
             name = next((n for n in ks if n.startswith("plugin")), None)
         elif rule == "measured":
-            name = next((n for n in ks if n.startswith("plugin-graph")), None)
+            name = graph_row
         elif rule == "oracle":
             timed = [n for n in ORACLE_ROWS if n in ks]
-            if len(timed) == len(ORACLE_ROWS):
-                # The decoder's own row where its route is neither (``cuda-splitk``); not a
-                # second timing of one of them, whose minimum would favour noise.
-                timed += [n for n in ks if n.startswith("plugin-graph[")
-                          and n[len("plugin-graph["):-1] not in ORACLE_ROWS]
-                name = min(timed, key=lambda n: float(ks[n]["us"]))
-            else:
-                name = None
+            # The decoder's own row where it ran a third route (``cuda-splitk``); never a
+            # second timing of one of ORACLE_ROWS, whose minimum would favour noise.
+            if graph_row is not None and graph_row[len(GRAPH_ROW) + 1:-1] not in ORACLE_ROWS:
+                timed.append(graph_row)
+            name = (min(timed, key=lambda n: float(ks[n]["us"]))
+                    if all(n in ks for n in ORACLE_ROWS) else None)
             extra_us = node_us
         else:
             name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)

@@ -117,6 +117,12 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
     if mode == "graph":
         ks.append(decoder_kernel("flashmla", case, "flashmla", engine_query=True))
         ks.append(decoder_kernel("vllm-fa3-mla", case, "vllm-fa3-mla", cuda_graph=True))
+        # FA3 with its own splits (the route's balanced ones off): what the route ran before.
+        own = decoder_kernel("vllm-fa3-mla-own", case, "vllm-fa3-mla", cuda_graph=True)
+        if own.obj is not None:
+            own.obj.route.balanced_splits_override = False
+            own.obj.plan(case.batch)
+        ks.append(own)
         return ks
     if not (fp8 and mode == "random"):
         ks.append(decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))

@@ -9,12 +9,14 @@ import ast
 import importlib.util
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, Platform
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, Platform, fa3_splits, policy
 from trtllm_mla_plugin.ops.routes import vllm_fa3_mla
 from trtllm_mla_plugin.ops.routes.base import round_up
 from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import (
@@ -310,3 +312,31 @@ def test_persistent_batch_tensors_reach_the_kernel_without_copies(fake):
     assert call["block_table"] is b.block_table and call["seqused_k"] is b.seq_lens
     assert sched["cache_seqlens"] is b.seq_lens
     assert call["cu_seqlens_q"].tolist() == [0, 1, 2, 3]
+
+
+def test_graph_plan_writes_balanced_splits_over_fa3s(monkeypatch):
+    """A step FA3's formula spills past one wave (28 x 5 splits = 140 work tiles on 132
+    SMs) gets ``fa3_splits.balanced_splits``' plan at FA3's split vector (after the padded
+    query-row vector), the rest of FA3's metadata kept; eager steps, steps without host
+    lengths and the override off keep FA3's."""
+    fake = FakeFA3(metadata_len=1 + 3 * 28)
+    monkeypatch.setitem(sys.modules, FA3_MODULE, fake)
+    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
+    lens = [17_658] * 28
+    with_host = replace(batch_of(lens), seq_lens_host=torch.tensor(lens, dtype=torch.int32))
+    want = fa3_splits.balanced_splits(np.full(28, 276), 1, GRAPH_WIDE_SPLITS,
+                                      policy.HOPPER_SMS, 32, GRAPH_MAX_SPLITS)
+    assert want is not None and want.tolist() != [5] * 28
+    for cuda_graph, batch, override, balanced in (
+            (True, with_host, None, True), (False, with_host, None, False),
+            (True, batch_of(lens), None, False), (True, with_host, False, False)):
+        route = VllmFA3MLARoute(spec(heads=32), torch.device("cpu"), max_batch_size=28,
+                                cuda_graph=cuda_graph)
+        route.balanced_splits_override = override
+        route.plan(batch)
+        metadata = route._scheduler[: fake.metadata_len].tolist()
+        at = vllm_fa3_mla.fa3_splits_offset(28)
+        assert at == 28
+        expect = want.tolist() if balanced else [1] * 28
+        assert metadata[at: at + 28] == expect
+        assert metadata[:at] == [1] * at and metadata[at + 28:] == [1] * (1 + 28)

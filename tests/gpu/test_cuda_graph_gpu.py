@@ -15,7 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trtllm_mla_plugin.ops import MLADecoder
+from trtllm_mla_plugin.ops import MLADecoder, fa3_splits
+from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import fa3_splits_offset
 
 from mla_cases import (
     GPU_TEST_MARKS,
@@ -164,11 +165,14 @@ WIDE_SPLIT_CASES = [
 
 
 def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]],
-                                label: str, host_lengths: bool) -> list[int]:
+                                label: str, host_lengths: bool,
+                                balanced: bool | None = False) -> list[int]:
     """Captures the ``vllm-fa3-mla`` route under CUDA graphs on ``schedule[0]``, replays the
     other steps (each checked against float64, the launch's reserve unchanged) and returns
     the cap each step planned; skips where the route cannot run. ``host_lengths``: the batch
-    carries the host's exact lengths, as vLLM's builder passes them."""
+    carries the host's exact lengths, as vLLM's builder passes them. ``balanced``: the
+    route's balanced splits forced on or off (``None``: its rule); when on, each replayed
+    step's split vector in FA3's metadata must be ``fa3_splits.balanced_splits``' plan."""
     device = torch.device("cuda")
     width = max(max(lens) for lens in schedule) // 64 + 1
     steps = [make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
@@ -178,8 +182,9 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
     first = steps[0]
     if (reason := route_skip_reason("vllm-fa3-mla", first.spec, device)) is not None:
         pytest.skip(reason)
-    decoder = MLADecoder(first.spec, device, max_batch_size=16, route="vllm-fa3-mla",
-                         cuda_graph=True)
+    decoder = MLADecoder(first.spec, device, max_batch_size=max(16, len(schedule[0])),
+                         route="vllm-fa3-mla", cuda_graph=True)
+    decoder.route.balanced_splits_override = balanced
     num_blocks = max(p.kv_cache.shape[0] for p in steps)
     cache = torch.empty(num_blocks, 64, 576, dtype=torch.bfloat16, device=device)
     cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
@@ -201,6 +206,17 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
         decoder.plan(engine_batch(p.batch))
         assert decoder.route._reserved_splits == reserved
         planned.append(decoder.route._planned_splits)
+        if balanced:
+            lens = p.batch.seq_lens.cpu().numpy().astype("int64")
+            want = fa3_splits.balanced_splits(
+                -(-lens // 64), -(-heads * q_len // 64), reserved,
+                torch.cuda.get_device_properties(device).multi_processor_count,
+                heads * q_len / -(-heads * q_len // 64), decoder.route._planned_splits)
+            assert want is not None, "a balanced-split case must change FA3's plan"
+            b, at = len(lens), fa3_splits_offset(len(lens))
+            written = decoder.route._scheduler[at: at + b].cpu().tolist()
+            assert written == want.tolist()
+            planned[-1] = max(written)
         query.copy_(p.query)
         p.query = query
         out.fill_(float("nan"))
@@ -242,3 +258,58 @@ HALVED_SPLIT_CASES = [
 def test_vllm_fa3_graph_replays_halved_splits(heads, q_len, schedule, expected):
     assert replay_vllm_fa3_split_steps(heads, q_len, schedule, "halved splits",
                                        host_lengths=True) == expected
+
+
+# (heads, q_len, steps of seq_lens): batches whose work FA3's formula cuts into a few tiles
+# more than one wave of SMs (``fa3_splits.SPILL``); the route's balanced splits (written
+# over FA3's in its scheduler metadata) must replay to the float64 answer, uniform and
+# ragged, one and several query tokens (FA3's causal metadata then holds one more vector).
+BALANCED_SPLIT_CASES = [
+    (32, 1, [[300] * 28, [17_658] * 28, [19_000, 12_000] * 14]),
+    (64, 3, [[500] * 21, [4374, 2000, 3000] * 7]),
+    (64, 1, [[64] * 102, [387, 120, 300, 250] * 25 + [390, 390]]),
+]
+
+
+@pytest.mark.parametrize("heads,q_len,schedule", BALANCED_SPLIT_CASES,
+                         ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s in BALANCED_SPLIT_CASES])
+def test_vllm_fa3_graph_replays_balanced_splits(heads, q_len, schedule):
+    planned = replay_vllm_fa3_split_steps(heads, q_len, schedule, "balanced splits",
+                                          host_lengths=True, balanced=True)
+    assert all(p >= 1 for p in planned)
+
+
+# (heads, q_len, seq_lens): FA3's own per-request splits, read where the route writes its
+# balanced ones, must be FA3's formula (``fa3_splits.fa3_splits``): the check that the
+# route's offset and the formula model the FA3 build vLLM ships.
+FA3_LAYOUT_CASES = [
+    (16, 1, [17_000, 3000, 9_500, 40_000, 777]),
+    (32, 2, [12_345] * 12),
+    (128, 1, [2_000, 61_000, 5_000]),
+    (8, 4, [30_000, 250, 30_000, 9_999, 1_234, 45_678, 3_210]),
+]
+
+
+@pytest.mark.parametrize("heads,q_len,lens", FA3_LAYOUT_CASES,
+                         ids=[f"h{h}-q{q}-b{len(lens)}" for h, q, lens in FA3_LAYOUT_CASES])
+def test_vllm_fa3_metadata_holds_fa3_formula_splits(heads, q_len, lens):
+    device = torch.device("cuda")
+    p = make_problem(heads=heads, block=64, lens=lens, q_lens=q_len, dtype=torch.bfloat16,
+                     kv_dtype=torch.bfloat16, device=device, width=max(lens) // 64 + 1,
+                     spec_q_len=q_len)
+    if (reason := route_skip_reason("vllm-fa3-mla", p.spec, device)) is not None:
+        pytest.skip(reason)
+    decoder = MLADecoder(p.spec, device, max_batch_size=16, route="vllm-fa3-mla",
+                         cuda_graph=True)
+    route = decoder.route
+    route.balanced_splits_override = False
+    route.planned_splits_override = 32
+    decoder.plan(with_host_lengths(p.batch))
+    b, at = len(lens), fa3_splits_offset(len(lens))
+    written = route._scheduler[at: at + b].cpu().tolist()
+    kv_tiles = torch.tensor(lens, dtype=torch.int64).add(63).div(64, rounding_mode="floor")
+    want = fa3_splits.fa3_splits(kv_tiles.numpy(), -(-heads * q_len // 64), 32,
+                                 torch.cuda.get_device_properties(device).multi_processor_count)
+    print(f"[fa3 layout h{heads} q{q_len}] metadata {route._metadata.shape[0]} entries, "
+          f"splits {written}, formula {want.tolist()}")
+    assert written == want.tolist()

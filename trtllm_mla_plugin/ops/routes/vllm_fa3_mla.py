@@ -37,9 +37,10 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .. import policy
+from .. import fa3_splits, policy
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
 from .base import (
@@ -65,6 +66,9 @@ GRAPH_MAX_SPLITS = 32
 GRAPH_WIDE_SPLITS = 64
 GRAPH_WIDE_MAX_ROWS = 1024
 FA3_PAGE_MULTIPLE = 16
+#: FA3 plans per-request splits for at most this many requests (one CTA of its planner,
+#: ``PREPARE_VARLEN_MAX_BATCHES_1CTA``); above it every request gets one split.
+FA3_DYNAMIC_SPLITS_MAX_BATCH = 992
 
 
 def graph_split_reserve(num_heads: int, num_tokens: int) -> int:
@@ -78,6 +82,12 @@ def fa3_scheduler_metadata_size(max_batch_size: int) -> int:
     """Entries of FA3's scheduler metadata for up to ``max_batch_size`` requests: one
     tile-count semaphore plus four int32 vectors per request rounded up to 4 (vLLM)."""
     return 1 + round_up(max_batch_size, 4) * 4
+
+
+def fa3_splits_offset(batch_size: int) -> int:
+    """Where FA3's per-request split counts start in its scheduler metadata (after the
+    per-request query rows; ``mha_fwd_get_scheduler_metadata`` in ``hopper/flash_api.cpp``)."""
+    return round_up(batch_size, 4)
 
 
 def fa3_work_tiles(batch: DecodeBatch, query_tiles: int) -> int | None:
@@ -143,6 +153,9 @@ class VllmFA3MLARoute(DecodeRoute):
         self.max_splits_override: int | None = None
         #: Benchmarks: the plan's cap alone, bounded by what the launch reserves.
         self.planned_splits_override: int | None = None
+        #: Benchmarks: write ``fa3_splits.balanced_splits`` over FA3's splits (True), keep
+        #: FA3's own (False), instead of the route's rule (``None``).
+        self.balanced_splits_override: bool | None = None
         self._reserved_splits = self._planned_splits = 0
         self._query_offsets = StagedQueryOffsets(max_batch_size, device)
         #: FA3's scheduler metadata at a fixed address (captured launches read it).
@@ -177,7 +190,31 @@ class VllmFA3MLARoute(DecodeRoute):
         self._scheduler[:n].copy_(metadata)
         self._scheduler[n:].zero_()
         self._metadata = self._scheduler[:n]
+        splits = self._balanced_splits(batch)
+        if splits is not None:
+            # FA3's metadata: each request's query rows, then its splits (what the kernel and
+            # FA3's combine read), each vector padded to a multiple of 4 requests.
+            offset = fa3_splits_offset(b)
+            self._scheduler[offset: offset + b].copy_(torch.from_numpy(splits),
+                                                      non_blocking=True)
         self._batch = batch
+
+    def _balanced_splits(self, batch: DecodeBatch) -> np.ndarray | None:
+        """Splits per request that fill FA3's grid better than its own formula
+        (``fa3_splits.balanced_splits``), or ``None`` to keep FA3's: under CUDA graphs,
+        where the plan has per-request splits (a cap of >= 2, at most
+        ``FA3_DYNAMIC_SPLITS_MAX_BATCH`` requests) and the host has the step's lengths."""
+        wanted = self.balanced_splits_override
+        if wanted is None:
+            wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
+        if (not wanted or self._planned_splits < 2 or batch.seq_lens_host is None
+                or batch.batch_size > FA3_DYNAMIC_SPLITS_MAX_BATCH):
+            return None
+        lens = batch.seq_lens_host.numpy().astype(np.int64)
+        return fa3_splits.balanced_splits(
+            -(-lens // policy.FA3_KV_TILE), policy.query_tiles(self.spec, batch.max_q_len),
+            self._reserved_splits, self._sms,
+            policy.query_tile_rows(self.spec, batch.max_q_len), self._planned_splits)
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
         """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3

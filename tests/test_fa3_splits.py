@@ -1,0 +1,105 @@
+"""``ops.fa3_splits``: FA3's split formula and the balanced plan, against an independent
+simulation of FA3's persistent grid (CPU)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+
+import numpy as np
+import pytest
+
+from trtllm_mla_plugin.ops import fa3_splits
+
+SMS = 132
+
+
+def grid_span(kv_tiles: list[int], splits: list[int], query_tiles: int,
+              split_cost: float) -> float:
+    """The busiest of ``SMS`` CTAs when each takes the next (request, query tile, split)
+    work tile in batch order as it frees up, a tile costing its KV tiles plus
+    ``split_cost``."""
+    free = [0.0] * SMS
+    for n, s in zip(kv_tiles, splits, strict=True):
+        per = -(-n // s)
+        for _ in range(query_tiles):
+            for j in range(s):
+                size = min(per, n - j * per)
+                heapq.heappush(free, heapq.heappop(free) + size + split_cost)
+    return max(free)
+
+
+def test_fa3_formula_by_hand():
+    # 28 requests of 276 KV tiles, one query tile: ceil(7728 x 1.1 / 132) = 65 tiles a
+    # split, so ceil(276 / 65) = 5 splits each: 140 work tiles on 132 SMs.
+    assert fa3_splits.fa3_splits(np.full(28, 276), 1, 32, SMS).tolist() == [5] * 28
+    # The cap binds: one request of 700 tiles, ceil(770 / 132) = 6 a split -> 117, capped.
+    assert fa3_splits.fa3_splits(np.array([700]), 1, 32, SMS).tolist() == [32]
+
+
+def test_balanced_plan_fills_the_grid_where_fa3_spills_a_second_wave():
+    kv_tiles = np.full(28, 276)
+    cost = fa3_splits.split_cost_tiles(32)
+    own = fa3_splits.fa3_splits(kv_tiles, 1, 32, SMS)
+    balanced = fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 32)
+    assert balanced is not None
+    own_span = grid_span(kv_tiles.tolist(), own.tolist(), 1, cost)
+    balanced_span = grid_span(kv_tiles.tolist(), balanced.tolist(), 1, cost)
+    assert balanced_span < 0.7 * own_span
+
+
+def test_no_replan_outside_the_spill_band():
+    # One wave (28 x 4 = 112 tiles) and three waves (400 one-split requests).
+    assert fa3_splits.fa3_splits(np.full(28, 200), 1, 4, SMS).sum() == 112
+    assert fa3_splits.balanced_splits(np.full(28, 200), 1, 64, SMS, 32, fa3_cap=4) is None
+    assert fa3_splits.fa3_splits(np.full(400, 30), 1, 32, SMS).sum() == 400
+    assert fa3_splits.balanced_splits(np.full(400, 30), 1, 32, SMS, 16) is None
+
+
+def test_short_requests_at_wide_query_tiles_are_not_cut_finer():
+    # 172 requests of 11 KV tiles at 48 rows a tile: FA3 gives each one split (172 work
+    # tiles, in the band), and a finer cut would leave pieces under MIN_SPLIT_TILES.
+    kv_tiles = np.full(172, 11)
+    assert fa3_splits.fa3_splits(kv_tiles, 1, 32, SMS).sum() == 172
+    assert fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 48) is None
+    # The same batch at 16 rows a tile: pieces are cheap, the step is replanned.
+    assert fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 16) is not None
+
+
+def random_batch(rng: random.Random) -> tuple[np.ndarray, int, int, float]:
+    heads, q_len = rng.choice((8, 16, 32, 64, 128)), rng.randint(1, 4)
+    batch = max(1, round(2 ** rng.uniform(0, 9)))
+    longest = round(2 ** rng.uniform(8, 16))
+    low = rng.choice((1.0, rng.uniform(0, 0.9)))
+    lens = [rng.randint(int(low * longest), longest) for _ in range(batch)]
+    kv_tiles = np.array([max(1, -(-n // 64)) for n in lens], dtype=np.int64)
+    query_tiles = -(-heads * q_len // 64)
+    reserve = 64 if heads * q_len * batch <= 1024 else 32
+    return kv_tiles, query_tiles, reserve, heads * q_len / query_tiles
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_balanced_plan_on_random_batches(seed):
+    rng = random.Random(seed)
+    gains, changed = [], 0
+    for _ in range(300):
+        kv_tiles, query_tiles, reserve, rows = random_batch(rng)
+        cost = fa3_splits.split_cost_tiles(rows)
+        own = fa3_splits.fa3_splits(kv_tiles, query_tiles, 32, SMS)
+        plan = fa3_splits.balanced_splits(kv_tiles, query_tiles, reserve, SMS, rows)
+        if plan is None:
+            continue
+        changed += 1
+        assert plan.dtype == np.int32 and plan.shape == kv_tiles.shape
+        assert plan.min() >= 1 and plan.max() <= reserve and (plan <= kv_tiles).all()
+        # No empty split: the last split of a request starts before its end.
+        per = -(-kv_tiles // plan)
+        assert ((plan - 1) * per < kv_tiles).all()
+        gains.append(grid_span(kv_tiles.tolist(), own.tolist(), query_tiles, cost)
+                     / grid_span(kv_tiles.tolist(), plan.tolist(), query_tiles, cost))
+    geomean = math.exp(sum(map(math.log, gains)) / len(gains))
+    print(f"{changed} replanned, geomean {geomean:.3f}, worst {min(gains):.3f}")
+    assert changed >= 40
+    assert geomean > 1.1
+    assert min(gains) > 0.85

@@ -1,0 +1,107 @@
+"""KV splits per request for vLLM's FA3 MLA kernel on its persistent grid.
+
+FA3 (``hopper/flash_prepare_scheduler.cu``, ``prepare_varlen_num_blocks``) gives request
+``i`` of ``n_i`` 64-token KV tiles ``min(ceil(n_i / ceil(1.1 W / SMs)), cap)`` splits, ``W``
+the batch's work (query tiles x KV tiles, summed), and its kernel runs one CTA per SM that
+takes (request, query tile, split) work tiles in batch order. The 10% margin leaves the
+tile count just above the SM count on many batches (133-178 tiles on 132 SMs): the last
+few tiles then run as a second wave on a few SMs and the step takes up to twice its even
+share (runs 145-146: FA3 at 0.62-0.75x FlashMLA on such batches).
+
+``balanced_splits`` replans the batches FA3 spills: where FA3's own plan holds more work
+tiles than SMs but at most ``SPILL`` times as many, it picks one tile size for the whole
+batch, the one whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV
+tiles cut into ``ceil(n / size)`` equal splits). Outside that band more or fewer splits
+lost as often as they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one
+wave or more than 1.35: 0.80-1.09x FA3's own). The route writes the result over the
+``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel and FA3's
+combine read per request.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: FA3's query tile, rows (heads x query tokens, packed).
+QUERY_TILE_ROWS = 64
+#: The margin of FA3's formula.
+FA3_MARGIN = 1.1
+#: FA3 plans this many times the SMs' work tiles at most for ``balanced_splits`` to replan:
+#: run 153 (seeds 101-104, the 29 bf16 shapes in the band) gained 1.09-1.51x on every one.
+SPILL = 1.35
+#: Above this many query rows per tile a plan with more pieces than FA3's keeps at least
+#: ``MIN_SPLIT_TILES`` KV tiles in every piece of a cut request: runs 154-155 (seeds
+#: 110-117) lost 0.76-0.93x on short requests (345-1579 tokens) cut into pieces of 3-13
+#: tiles at 32-64 rows, and gained 1.09-1.17x at 8-16 rows on pieces of 6-12 tiles.
+CHEAP_SPLIT_ROWS = 16
+MIN_SPLIT_TILES = 16
+#: Tile sizes tried, in KV tiles: about 8% apart, so the best is within 8% of any size.
+CANDIDATE_SIZES = np.unique(np.round(1.08 ** np.arange(0, 120)).astype(np.int64))
+
+
+def split_cost_tiles(rows_per_tile: float) -> float:
+    """What one more split costs, in KV tiles of work: its partial output (``rows x 512``
+    float32, written, then read back by FA3's combine: 3.5 KV tiles' bytes at 64 rows) and
+    about one tile of pipeline start."""
+    return 1.0 + 3.5 * rows_per_tile / QUERY_TILE_ROWS
+
+
+def fa3_splits(kv_tiles: np.ndarray, query_tiles: int, cap: int, sms: int) -> np.ndarray:
+    """FA3's own splits per request (its formula above) for ``kv_tiles`` ``[batch]``."""
+    per_split = max(1, math.ceil(int(kv_tiles.sum()) * query_tiles * FA3_MARGIN / sms))
+    return np.minimum(np.maximum(-(-kv_tiles // per_split), 1), cap)
+
+
+def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, sms: int,
+                   split_cost: float) -> np.ndarray:
+    """Estimated time of the busiest CTA, in KV tiles, for plans ``splits`` ``[batch, K]``
+    (K plans at once): the smaller of two bounds of FA3's in-order grid, the wave count
+    times the largest tile (exact when the tiles are equal) and the even share plus the
+    largest tile (list scheduling)."""
+    largest = (-(-kv_tiles[:, None] // splits)).max(0) + split_cost
+    pieces = splits.sum(0)
+    waves = -(-(query_tiles * pieces) // sms)
+    share = query_tiles * (int(kv_tiles.sum()) + split_cost * pieces) / sms
+    return np.minimum(waves * largest, share + largest)
+
+
+def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms: int,
+                    rows_per_tile: float, fa3_cap: int | None = None) -> np.ndarray | None:
+    """Splits per request (int32 ``[batch]``, each in ``1..max_splits`` and at most the
+    request's KV tiles) that fill FA3's grid of ``sms`` CTAs better than FA3's own plan,
+    or ``None`` to keep FA3's (outside the band ``SPILL`` names, or where no size is
+    expected to be faster).
+
+    Args:
+        kv_tiles: ``[batch]`` int64, each request's 64-token KV tiles (0 for empty slots).
+        query_tiles: query tiles per request (heads x query tokens over 64, rounded up).
+        max_splits: splits the captured launch reserved partial outputs for.
+        sms: FA3's grid (one CTA per SM).
+        rows_per_tile: query rows per query tile (prices a split's partial output).
+        fa3_cap: the cap FA3 plans its own splits with (default ``max_splits``).
+    """
+    n = np.maximum(kv_tiles, 1)
+    own = fa3_splits(n, query_tiles, fa3_cap or max_splits, sms)
+    if not sms < query_tiles * int(own.sum()) <= SPILL * sms:
+        return None
+    top = int(n.max())
+    sizes = CANDIDATE_SIZES[: int(np.searchsorted(CANDIDATE_SIZES, top)) + 1]
+    # Column 0: FA3's own plan; then one plan per tile size.
+    plans = np.empty((n.shape[0], sizes.shape[0] + 1), dtype=np.int64)
+    plans[:, 0] = own
+    np.minimum(-(-n[:, None] // sizes), max_splits, out=plans[:, 1:])
+    spans = estimated_span(n, plans, query_tiles, sms, split_cost_tiles(rows_per_tile))
+    if rows_per_tile > CHEAP_SPLIT_ROWS:
+        # More pieces than FA3's only where every cut request's pieces still hold enough KV
+        # to pay for their partial outputs.
+        more = plans[:, 1:].sum(0) > own.sum()
+        pieces = np.where(plans[:, 1:] > 1, -(-n[:, None] // plans[:, 1:]), MIN_SPLIT_TILES)
+        spans[1:][more & (pieces.min(0) < MIN_SPLIT_TILES)] = np.inf
+    best = int(np.argmin(spans))
+    if best == 0 or spans[best] >= spans[0]:
+        return None
+    # A capped request may get more splits than its tiles fill: keep only non-empty ones.
+    splits = plans[:, best]
+    return (-(-n // (-(-n // splits)))).astype(np.int32)

@@ -67,6 +67,19 @@ def test_short_requests_at_wide_query_tiles_are_not_cut_finer():
     assert fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 16) is not None
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_may_spill_rules_out_only_batches_fa3_keeps_off_the_band(seed):
+    rng = random.Random(seed)
+    ruled_out = 0
+    for _ in range(2000):
+        kv_tiles, query_tiles, _, _ = random_batch(rng)
+        tiles = query_tiles * int(fa3_splits.fa3_splits(kv_tiles, query_tiles, 32, SMS).sum())
+        if not fa3_splits.may_spill(query_tiles * len(kv_tiles), SMS):
+            ruled_out += 1
+            assert not SMS < tiles <= fa3_splits.SPILL * SMS
+    assert ruled_out > 500
+
+
 def random_batch(rng: random.Random) -> tuple[np.ndarray, int, int, float]:
     heads, q_len = rng.choice((8, 16, 32, 64, 128)), rng.randint(1, 4)
     batch = max(1, round(2 ** rng.uniform(0, 9)))

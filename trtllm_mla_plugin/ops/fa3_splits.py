@@ -54,6 +54,16 @@ def fa3_splits(kv_tiles: np.ndarray, query_tiles: int, cap: int, sms: int) -> np
     return np.minimum(np.maximum(-(-kv_tiles // per_split), 1), cap)
 
 
+def may_spill(query_tiles_in_batch: int, sms: int) -> bool:
+    """Whether FA3's plan of a batch with this many query tiles (requests x query tiles per
+    request) can land in ``balanced_splits``' band, before looking at any length. Every
+    request has at least one split, so a batch of more than ``SPILL x sms`` query tiles
+    starts past the band; and FA3's plan holds fewer than ``sms / 1.1`` tiles plus one per
+    query tile (``ceil(x) < x + 1`` over its splits of ``1.1 W / sms`` KV tiles), so it
+    stays within one wave unless the batch has more than ``sms / 11`` query tiles."""
+    return sms * (1 - 1 / FA3_MARGIN) < query_tiles_in_batch <= SPILL * sms
+
+
 def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, sms: int,
                    split_cost: float) -> np.ndarray:
     """Estimated time of the busiest CTA, in KV tiles, for plans ``splits`` ``[batch, K]``
@@ -82,6 +92,8 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
         rows_per_tile: query rows per query tile (prices a split's partial output).
         fa3_cap: the cap FA3 plans its own splits with (default ``max_splits``).
     """
+    if not may_spill(query_tiles * kv_tiles.shape[0], sms):
+        return None
     n = np.maximum(kv_tiles, 1)
     own = fa3_splits(n, query_tiles, fa3_cap or max_splits, sms)
     if not sms < query_tiles * int(own.sum()) <= SPILL * sms:

@@ -207,13 +207,14 @@ class VllmFA3MLARoute(DecodeRoute):
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
+        tiles = policy.query_tiles(self.spec, batch.max_q_len)
         if (not wanted or self._planned_splits < 2 or batch.seq_lens_host is None
-                or batch.batch_size > FA3_DYNAMIC_SPLITS_MAX_BATCH):
+                or batch.batch_size > FA3_DYNAMIC_SPLITS_MAX_BATCH
+                or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms)):
             return None
         lens = batch.seq_lens_host.numpy().astype(np.int64)
         return fa3_splits.balanced_splits(
-            -(-lens // policy.FA3_KV_TILE), policy.query_tiles(self.spec, batch.max_q_len),
-            self._reserved_splits, self._sms,
+            -(-lens // policy.FA3_KV_TILE), tiles, self._reserved_splits, self._sms,
             policy.query_tile_rows(self.spec, batch.max_q_len), self._planned_splits)
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:

@@ -32,7 +32,9 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
   counted on the host's lengths, which vLLM's builder passes outside asynchronous
   speculation). A planned cap stays >= 2: with one split FA3's metadata leaves out the
   per-request split counts that a launch of more splits reads ("scheduler_metadata must
-  have shape", run 102).
+  have shape", run 102). Where FA3's own plan of a step would spill a second wave of work
+  tiles onto a few SMs, the route writes its own per-request splits over FA3's
+  (``ops.fa3_splits``, runs 153-156), from the host's exact lengths.
 """
 
 from __future__ import annotations

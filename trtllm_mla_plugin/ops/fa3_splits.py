@@ -24,10 +24,10 @@ import math
 
 import numpy as np
 
+from .policy import FA3_SPLIT_MARGIN
+
 #: FA3's query tile, rows (heads x query tokens, packed).
 QUERY_TILE_ROWS = 64
-#: The margin of FA3's formula.
-FA3_MARGIN = 1.1
 #: FA3 plans this many times the SMs' work tiles at most for ``balanced_splits`` to replan:
 #: run 153 (seeds 101-104, the 29 bf16 shapes in the band) gained 1.09-1.51x on every one.
 SPILL = 1.35
@@ -50,7 +50,7 @@ def split_cost_tiles(rows_per_tile: float) -> float:
 
 def fa3_splits(kv_tiles: np.ndarray, query_tiles: int, cap: int, sms: int) -> np.ndarray:
     """FA3's own splits per request (its formula above) for ``kv_tiles`` ``[batch]``."""
-    per_split = max(1, math.ceil(int(kv_tiles.sum()) * query_tiles * FA3_MARGIN / sms))
+    per_split = max(1, math.ceil(int(kv_tiles.sum()) * query_tiles * FA3_SPLIT_MARGIN / sms))
     return np.minimum(np.maximum(-(-kv_tiles // per_split), 1), cap)
 
 
@@ -61,7 +61,7 @@ def may_spill(query_tiles_in_batch: int, sms: int) -> bool:
     starts past the band; and FA3's plan holds fewer than ``sms / 1.1`` tiles plus one per
     query tile (``ceil(x) < x + 1`` over its splits of ``1.1 W / sms`` KV tiles), so it
     stays within one wave unless the batch has more than ``sms / 11`` query tiles."""
-    return sms * (1 - 1 / FA3_MARGIN) < query_tiles_in_batch <= SPILL * sms
+    return sms * (1 - 1 / FA3_SPLIT_MARGIN) < query_tiles_in_batch <= SPILL * sms
 
 
 def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, sms: int,

@@ -177,13 +177,13 @@ FA3_KV_TILE = 64
 #: (0.89-1.00x), and where the longest request held 5 KV tiles (320 tokens, cut 2 + 2 + 1:
 #: 0.95-0.99x; the grid had 5, 11, 19 and 30).
 VLLM_FA3_HALVED_SPLITS_MIN_WORK = 72
+VLLM_FA3_HALVED_SPLITS_MIN_TILE_ROWS = 16
+VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES = 8
+FA3_SPLIT_MARGIN = 1.1
 #: Under CUDA graphs the ``vllm-fa3-mla`` route writes its own per-request KV splits over
 #: FA3's (``ops.fa3_splits.balanced_splits``) where FA3's formula, whose 10% margin leaves
 #: many batches a few work tiles past one wave of SMs, spills a second wave.
 VLLM_FA3_BALANCED_SPLITS = True
-VLLM_FA3_HALVED_SPLITS_MIN_TILE_ROWS = 16
-VLLM_FA3_HALVED_SPLITS_MIN_KV_TILES = 8
-FA3_SPLIT_MARGIN = 1.1
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to

@@ -68,9 +68,6 @@ GRAPH_MAX_SPLITS = 32
 GRAPH_WIDE_SPLITS = 64
 GRAPH_WIDE_MAX_ROWS = 1024
 FA3_PAGE_MULTIPLE = 16
-#: FA3 plans per-request splits for at most this many requests (one CTA of its planner,
-#: ``PREPARE_VARLEN_MAX_BATCHES_1CTA``); above it every request gets one split.
-FA3_DYNAMIC_SPLITS_MAX_BATCH = 992
 
 
 def graph_split_reserve(num_heads: int, num_tokens: int) -> int:
@@ -204,14 +201,14 @@ class VllmFA3MLARoute(DecodeRoute):
     def _balanced_splits(self, batch: DecodeBatch) -> np.ndarray | None:
         """Splits per request that fill FA3's grid better than its own formula
         (``fa3_splits.balanced_splits``), or ``None`` to keep FA3's: under CUDA graphs,
-        where the plan has per-request splits (a cap of >= 2, at most
-        ``FA3_DYNAMIC_SPLITS_MAX_BATCH`` requests) and the host has the step's lengths."""
+        where the plan has per-request splits (a cap of >= 2; FA3 also needs at most 992
+        requests, which ``may_spill``'s bound of ``SPILL x SMs`` query tiles keeps) and
+        the host has the step's lengths."""
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
         tiles = policy.query_tiles(self.spec, batch.max_q_len)
         if (not wanted or self._planned_splits < 2 or batch.seq_lens_host is None
-                or batch.batch_size > FA3_DYNAMIC_SPLITS_MAX_BATCH
                 or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms)):
             return None
         lens = batch.seq_lens_host.numpy().astype(np.int64)

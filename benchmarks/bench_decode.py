@@ -45,6 +45,7 @@ from decode_kernels import (
     Case,
     Kernel,
     decoder_kernel,
+    extra_route_kernel,
     flashmla_fp8_peer,
     flashmla_peer,
     plugin_kernels,
@@ -336,7 +337,7 @@ def kernels_for(case: Case, mode: str = "grid") -> list[Kernel]:
     the bf16 policy picks between; ``graph`` (bf16): the CUDA-graph decoder, the two routes
     its rule picks between and vLLM's own calls of those two kernels."""
     ks = plugin_kernels(case, mode)
-    ks += [decoder_kernel(f"route:{r}", case, r, cuda_graph=True) for r in EXTRA_ROUTES]
+    ks += [extra_route_kernel(r, case) for r in EXTRA_ROUTES]
     ks += [splitk_kernel(case, *config) for config in SPLITK_CONFIGS]
     if mode == "train":
         return ks

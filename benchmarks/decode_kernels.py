@@ -96,6 +96,21 @@ def decoder_kernel(
     return Kernel(name, call, out=out, obj=dec)
 
 
+def extra_route_kernel(spec: str, case: Case) -> Kernel:
+    """``--extra-routes`` entry ``spec``: a route timed forced under CUDA graphs, as the
+    row ``route:SPEC``; ``vllm-fa3-mla:sorted`` launches FA3 on the requests longest first
+    (``VllmFA3MLARoute.length_order_override``)."""
+    route, _, variant = spec.partition(":")
+    kernel = decoder_kernel(f"route:{spec}", case, route, cuda_graph=True)
+    if variant:
+        if (route, variant) != ("vllm-fa3-mla", "sorted"):
+            raise ValueError(f"unknown route variant {spec!r}")
+        if kernel.obj is not None:
+            kernel.obj.route.length_order_override = True
+            kernel.obj.plan(case.batch)
+    return kernel
+
+
 def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
     """The plugin's dispatch (as vLLM calls it) and plugin routes forced (FA3 also with
     sorting off, which is FlashInfer's wrapper as any caller would use it; FP8 caches: the

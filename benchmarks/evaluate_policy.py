@@ -17,7 +17,8 @@ report the plugin's own dispatched time (``plugin[...]`` rows).
 
 ``--search-graph-bounds [--check CHECK.csv,...]`` instead replays the CUDA-graph rule under
 every combination of ``GRAPH_BOUND_GRID``'s bounds (``ops.policy``'s
-``VLLM_FA3_GRAPH_MAX_BATCH``, ``..._MAX_ROWS`` and ``..._MAX_REQUEST_ROWS``) on the files
+``VLLM_FA3_GRAPH_MAX_BATCH``, ``..._MAX_ROWS``, ``..._MAX_REQUEST_ROWS`` and
+``..._ORDERED_MAX_BATCH``) on the files
 (the fit set) and on ``--check``'s (shapes the choice is checked on) and prints the best
 bounds by the fit set's geometric mean beside today's (``shapes.jsonl`` may be ``-``: the
 graph rule needs no lengths).
@@ -164,6 +165,8 @@ GRAPH_BOUND_GRID = {
     "VLLM_FA3_GRAPH_MAX_BATCH": (16, 24, 32, 40, 48, 64, 96, 128, 192, 256, 512, 1024),
     "VLLM_FA3_GRAPH_MAX_ROWS": (1024, 2048, 3072, 4096, 6144, 8192, 16384, 1 << 30),
     "VLLM_FA3_GRAPH_MAX_REQUEST_ROWS": (0, 8, 16),
+    # 0: no batch of >= VLLM_FA3_LENGTH_ORDER_MIN_BATCH requests goes to FA3 by this bound.
+    "VLLM_FA3_GRAPH_ORDERED_MAX_BATCH": (0, 256, 512, 1024),
 }
 
 

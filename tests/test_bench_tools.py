@@ -615,12 +615,13 @@ def test_graph_bounds_search_replays_each_bound_and_restores_the_policy(tmp_path
     assert 40 <= best_bounds["VLLM_FA3_GRAPH_MAX_BATCH"] <= 192
     assert best_fit == pytest.approx((1.0, 1.0, 2))  # the faster kernel on both shapes
     assert best_check == pytest.approx((0.5, 0.5, 1))  # b40 on FA3, here 2x slower
-    # Today's bounds (32 requests): both shapes on FlashMLA, the check shape too.
+    # Today's bounds (32 requests; 16 rows per request: the length-order bound leaves them
+    # to cuda-splitk, FlashMLA behind it): both shapes on FlashMLA, the check shape too.
     fit_today, check_today = by_bounds[tuple(today.values())]
     assert fit_today == pytest.approx((math.sqrt(0.5), 0.5, 2))
     assert check_today == pytest.approx((1.0, 1.0, 1))
     # A bound of 256 requests sends b200 to FA3 as well.
-    assert by_bounds[(256, 1 << 30, 0)][0] == pytest.approx((math.sqrt(0.5), 0.5, 2))
+    assert by_bounds[(256, 1 << 30, 0, 0)][0] == pytest.approx((math.sqrt(0.5), 0.5, 2))
 
 
 def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, capsys):

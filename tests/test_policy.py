@@ -87,8 +87,14 @@ CASES = [
     (128, shape(256, 4 * K, 2 * K), "flashmla"),
     (128, shape(64, 32 * K), "flashmla"),
     (128, BatchShape(32, 1), "flashmla"),  # lengths unknown (CUDA graphs): FlashMLA
-    (16, BatchShape(64, 1), "flashmla"),
+    (16, BatchShape(257, 1), "flashmla"),  # ... above 256 requests
+    (128, BatchShape(1024, 2), "flashmla"),
+    (16, BatchShape(64, 1), "flashmla"),  # 8-16 rows: behind cuda-splitk (absent here)
     (16, BatchShape(33, 1), "flashmla"),
+    (32, BatchShape(64, 1), "vllm-fa3-mla"),  # 33-256 requests: vLLM's FA3, longest first
+    (64, BatchShape(33, 1), "vllm-fa3-mla"),
+    (128, BatchShape(256, 4), "vllm-fa3-mla"),
+    (64, BatchShape(20, 2), "flashmla"),  # ... not 17-32 beyond 2048 rows (below)
     (16, BatchShape(1, 1), "vllm-fa3-mla"),  # ... but vLLM's FA3 for batches of <= 32
     (16, BatchShape(32, 1), "vllm-fa3-mla"),
     (128, BatchShape(16, 1), "vllm-fa3-mla"),
@@ -133,7 +139,7 @@ SPLITK_CASES = [
     (16, 64, BatchShape(32, 1), "vllm-fa3-mla"),
     (8, 64, BatchShape(128, 2), "cuda-splitk"),  # 8 heads x 2 tokens = 16 rows
     (8, 64, BatchShape(33, 2), "cuda-splitk"),
-    (16, 32, BatchShape(64, 1), "flashinfer-fa3"),  # 32-token pages: neither reads them
+    (16, 32, BatchShape(64, 1), "vllm-fa3-mla"),  # 32-token pages: FA3, longest first
     (8, 64, BatchShape(128, 1), "cuda-splitk"),  # 8 rows under graphs: from 33 (runs 141-142)
     (8, 64, BatchShape(33, 1), "cuda-splitk"),
     (8, 64, BatchShape(1024, 1), "cuda-splitk"),
@@ -141,7 +147,8 @@ SPLITK_CASES = [
     (8, 64, BatchShape(1025, 1), "vllm-fa3-mla"),  # beyond the kernel: vLLM's FA3, as before
     (8, 32, BatchShape(128, 1), "vllm-fa3-mla"),  # 32-token pages: not measured
     (4, 64, BatchShape(128, 1), "vllm-fa3-mla"),  # 4 rows: not measured
-    (16, 64, BatchShape(128, 2), "flashmla"),  # 32 rows
+    (16, 64, BatchShape(128, 2), "vllm-fa3-mla"),  # 32 rows: FA3, longest first
+    (16, 64, BatchShape(257, 2), "flashmla"),
 ]
 
 
@@ -348,14 +355,17 @@ def test_cuda_graph_decoder_picks_by_batch_size_only(kernels_present, monkeypatc
     """Under CUDA graphs the route depends on the batch size alone, whatever the lengths:
     FlashInfer FA3's per-step plan is 1-2 ms of host Python (run 17), the others' a kernel
     launch. With 128 heads the rows bound (2048 = 16 requests) binds: vLLM's FA3 MLA kernel
-    up to 16 requests, FlashMLA above. FA3 stays behind them for specs they cannot serve."""
+    up to 16 requests, FlashMLA for 17-32, vLLM's FA3 again (longest first) for 33-256,
+    FlashMLA above. FA3 stays behind them for specs they cannot serve."""
     dec, stubs = stub_decoder(monkeypatch, heads=128, cuda_graph=True)
-    for lens in ([8 * K] * 128, [8 * K, 2 * K] * 64, [32 * K] * 128, [1] * 128, [8 * K] * 32,
-                 [8 * K, 2 * K] * 16, [32 * K] * 63, [1] * 1, [8 * K] * 17, [32 * K] * 16):
+    for lens in ([8 * K] * 300, [8 * K, 2 * K] * 150, [32 * K] * 128, [1] * 128, [8 * K] * 32,
+                 [8 * K, 2 * K] * 16, [32 * K] * 33, [1] * 1, [8 * K] * 17, [32 * K] * 16):
         dec.plan(batch(lens))
-        assert dec.route.name == ("vllm-fa3-mla" if len(lens) <= 16 else "flashmla"), len(lens)
-    assert [b for b, _ in stubs["flashmla"].plans] == [128, 128, 128, 128, 32, 32, 63, 17]
-    assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [1, 16]
+        b = len(lens)
+        assert dec.route.name == ("vllm-fa3-mla" if b <= 16 or 33 <= b <= 256
+                                  else "flashmla"), b
+    assert [b for b, _ in stubs["flashmla"].plans] == [300, 300, 32, 32, 17]
+    assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [128, 128, 33, 1, 16]
     assert "flashinfer-fa3" not in stubs  # never built: no batch size would run it
 
 
@@ -451,13 +461,17 @@ def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, 
                                                   largest_fa3_batch):
     """Speculative decoding under CUDA graphs: vLLM's FA3 MLA kernel takes batches of at
     most VLLM_FA3_GRAPH_MAX_BATCH requests and VLLM_FA3_GRAPH_MAX_ROWS query rows (h128 q4
-    b5-b9 ran 1.4x faster on FlashMLA in run 23), FlashMLA the rest."""
+    b5-b9 ran 1.4x faster on FlashMLA in run 23) and batches of 33-256 requests
+    (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``), FlashMLA the rest."""
     dec, _ = stub_decoder(monkeypatch, heads=heads, cuda_graph=True, q_len=q_len)
-    for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 64):
+    for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 32, 33, 256, 257):
         lens = torch.full((b,), 4 * K, dtype=torch.int32)
         dec.plan(DecodeBatch(torch.zeros(b, 512, dtype=torch.int32), lens, 4 * K,
                              max_q_len=q_len, num_tokens=b * q_len))
-        expected = "vllm-fa3-mla" if b <= largest_fa3_batch else "flashmla"
+        # 33-256 requests: vLLM's FA3 again, the requests longest first, except for the
+        # 8-16-row batches cuda-splitk takes where it is present (FlashMLA behind it).
+        ordered = 33 <= b <= 256 and heads * q_len > policy.SPLITK_MAX_REQUEST_ROWS
+        expected = "vllm-fa3-mla" if b <= largest_fa3_batch or ordered else "flashmla"
         assert dec.route.name == expected, b
 
 
@@ -486,7 +500,8 @@ def test_request_rows_rule_holds_on_every_timed_shape():
             r = next(iter(ks.values()))
             heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
             if (r["kv"] != "bf16" or b <= policy.VLLM_FA3_GRAPH_MAX_BATCH
-                    or r["block"] != "64"):
+                    or r["block"] != "64"
+                    or heads * q > policy.VLLM_FA3_GRAPH_MAX_REQUEST_ROWS):
                 continue
             ranking = policy.rank(spec(heads, q_len=q), H200, BatchShape(b, q))
             chosen = next(name for name in ranking if name != "cuda-splitk")

@@ -73,13 +73,80 @@ class FakeFA3(types.ModuleType):
         self.calls.append(kwargs)
         return kwargs["out"]
 
+    def fwd(self, *args):
+        """``torch.ops._vllm_fa3_C.fwd`` (the length-order launch): the positional
+        arguments, with the ones the tests read by name."""
+        self.calls.append({"positional": args, "num_splits": args[30], "out": args[6]})
+        return args[6], None, None, None
+
 
 @pytest.fixture
 def fake(monkeypatch) -> FakeFA3:
     module = FakeFA3()
     monkeypatch.setitem(sys.modules, FA3_MODULE, module)
     monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
+    monkeypatch.setattr(vllm_fa3_mla, "fa3_forward_op", lambda: module.fwd)
     return module
+
+
+def interface_fwd_call() -> list[str]:
+    """The arguments (source text) of ``flash_attn_varlen_func``'s own call of
+    ``torch.ops._vllm_fa3_C.fwd`` in the installed vLLM."""
+    spec_ = importlib.util.find_spec("vllm")
+    if spec_ is None or spec_.origin is None:
+        pytest.skip("vllm is not installed")
+    path = Path(spec_.origin).parent / "vllm_flash_attn" / "flash_attn_interface.py"
+    if not path.exists():
+        pytest.skip("this vllm build has no vllm_flash_attn interface")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "fwd" and "_vllm_fa3_C" in ast.unparse(node.func)):
+            return [ast.unparse(a) for a in node.args]
+    raise AssertionError("no _vllm_fa3_C.fwd call in vLLM's FA3 interface")
+
+
+def test_length_order_launch_matches_the_wrappers_op_call(fake):
+    """Batches of >= ``policy.VLLM_FA3_LENGTH_ORDER_MIN_BATCH`` requests launch FA3's op
+    directly (to pass ``seqused_q``): every argument where vLLM's own wrapper puts it, the
+    wrapper's ``None`` for ``seqused_q`` replaced by the route's, the tables those of the
+    requests longest first."""
+    names = interface_fwd_call()
+    b = policy.VLLM_FA3_LENGTH_ORDER_MIN_BATCH
+    lens = [100 + 37 * ((i * 7) % b) for i in range(b)]
+    route = VllmFA3MLARoute(spec(heads=16, max_q_len=2), torch.device("cpu"),
+                            max_batch_size=b, cuda_graph=True)
+    batch = batch_of(lens, uniform_q=2, width=max(lens) // 64 + 1)
+    route.plan(replace(batch, seq_lens_host=batch.seq_lens.clone()))
+    query = torch.randn(2 * b, 16, 576).to(BF16)
+    out = torch.empty(2 * b, 16, 512, dtype=BF16)
+    assert route.run(query, torch.randn(4, 64, 576).to(BF16), out, UNIT_SCALES) is out
+    args = fake.calls[-1]["positional"]
+    assert len(args) == len(names)
+    order = route._order
+    want = {"q": query[..., 512:], "q_v": query[..., :512], "out": out,
+            "cu_seqlens_q": order.cu_seqlens_q, "seqused_k": order.seq_lens,
+            "block_table": order.block_table, "scheduler_metadata": route._metadata,
+            "max_seqlen_q": 2, "max_seqlen_k": max(lens), "softmax_scale": SCALE,
+            "causal": True, "num_splits": route._reserved_splits, "softcap": 0.0,
+            "real_window_size[0]": -1, "real_window_size[1]": -1, "True": True, "0": 0,
+            "cp_world_size": 1, "cp_rank": 0}
+    seqused_q_at = names.index("seqused_k") - 1
+    for i, (name, got) in enumerate(zip(names, args, strict=True)):
+        if i == seqused_q_at:
+            assert name == "None" and got is order.seqused_q
+        elif name in ("None", "cu_seqlens_k", "q_descale", "k_descale", "v_descale",
+                      "s_aux", "cp_tot_seqused_k"):
+            assert got is None, (i, name)
+        elif name == "out":
+            assert got is out
+        elif name in ("k", "v"):
+            assert got.shape[-1] == (64 if name == "k" else 512), name
+        elif isinstance(want[name], torch.Tensor):
+            assert torch.equal(got, want[name]), name
+        else:
+            assert got == want[name], name
+    assert order.seq_lens.tolist() == sorted(lens, reverse=True)
+    assert order.seqused_q.tolist() == [2] * b
 
 
 def test_eligibility_names_the_fix(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy
 import pytest
 import torch
 
@@ -101,7 +102,7 @@ def test_graph_replay_after_replan(route: str, schedule: tuple, persistent: bool
 # on (docs/benchmarks.md; tests/test_policy.py checks this table against the rule).
 POLICY_CASES = [(8, 12, "vllm-fa3-mla"), (8, 40, "cuda-splitk"), (8, 160, "cuda-splitk"),
                 (16, 12, "vllm-fa3-mla"), (16, 40, "cuda-splitk"), (16, 128, "cuda-splitk"),
-                (32, 40, "flashmla")]
+                (32, 40, "vllm-fa3-mla")]
 
 
 @pytest.mark.parametrize("heads,batch,route", POLICY_CASES,
@@ -166,13 +167,16 @@ WIDE_SPLIT_CASES = [
 
 def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]],
                                 label: str, host_lengths: bool,
-                                balanced: bool | None = False) -> list[int]:
+                                balanced: bool | None = False,
+                                length_order: bool = False) -> list[int]:
     """Captures the ``vllm-fa3-mla`` route under CUDA graphs on ``schedule[0]``, replays the
     other steps (each checked against float64, the launch's reserve unchanged) and returns
     the cap each step planned; skips where the route cannot run. ``host_lengths``: the batch
     carries the host's exact lengths, as vLLM's builder passes them. ``balanced``: the
     route's balanced splits forced on or off (``None``: its rule); when on, each replayed
-    step's split vector in FA3's metadata must be ``fa3_splits.balanced_splits``' plan."""
+    step's split vector in FA3's metadata must be ``fa3_splits.balanced_splits``' plan (of
+    the lengths longest first with ``length_order``: the route then launches FA3 on the
+    requests in that order)."""
     device = torch.device("cuda")
     width = max(max(lens) for lens in schedule) // 64 + 1
     steps = [make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
@@ -185,6 +189,7 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
     decoder = MLADecoder(first.spec, device, max_batch_size=max(16, len(schedule[0])),
                          route="vllm-fa3-mla", cuda_graph=True)
     decoder.route.balanced_splits_override = balanced
+    decoder.route.length_order_override = length_order
     num_blocks = max(p.kv_cache.shape[0] for p in steps)
     cache = torch.empty(num_blocks, 64, 576, dtype=torch.bfloat16, device=device)
     cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
@@ -208,6 +213,8 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
         planned.append(decoder.route._planned_splits)
         if balanced:
             lens = p.batch.seq_lens.cpu().numpy().astype("int64")
+            if length_order:
+                lens = -numpy.sort(-lens, kind="stable")
             want = fa3_splits.balanced_splits(
                 -(-lens // 64), -(-heads * q_len // 64), reserved,
                 torch.cuda.get_device_properties(device).multi_processor_count,
@@ -277,6 +284,25 @@ def test_vllm_fa3_graph_replays_balanced_splits(heads, q_len, schedule):
     planned = replay_vllm_fa3_split_steps(heads, q_len, schedule, "balanced splits",
                                           host_lengths=True, balanced=True)
     assert all(p >= 1 for p in planned)
+
+
+# (heads, q_len, steps of seq_lens): the route launching FA3 on the requests longest first
+# (``cu_seqlens_q`` permuted, ``seqused_q`` given) must replay to the float64 answer in the
+# caller's row order: ragged and uniform, one and several query tokens, a batch in
+# ``balanced_splits``' band (its plan then made on the sorted lengths) and a long one.
+LENGTH_ORDER_CASES = [
+    (16, 1, [[300] * 40, [9000, 200, 4000, 64, 12_000] * 8, [700] * 40], False),
+    (64, 2, [[500] * 33, [100, 5000, 2500] * 11], False),
+    (32, 1, [[300] * 28, [19_000, 12_000] * 14], True),
+    (128, 1, [[1000] * 70, list(range(100, 7100, 100))], False),
+]
+
+
+@pytest.mark.parametrize("heads,q_len,schedule,balanced", LENGTH_ORDER_CASES,
+                         ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s, _ in LENGTH_ORDER_CASES])
+def test_vllm_fa3_graph_replays_length_order(heads, q_len, schedule, balanced):
+    replay_vllm_fa3_split_steps(heads, q_len, schedule, "length order", host_lengths=True,
+                                balanced=balanced, length_order=True)
 
 
 # (heads, q_len, seq_lens): FA3's own per-request splits, read where the route writes its

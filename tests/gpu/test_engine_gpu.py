@@ -52,7 +52,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +234,10 @@ ENGINES: dict[str, EngineSpec] = {
     # The same with 8 heads (8 query rows per request), against vLLM's bf16 default on Hopper.
     "trtllm-wide-h8": _wide("h8", "TRTLLM_MLA"),
     "fa3-wide-h8": _wide("h8", "FLASH_ATTN_MLA"),
+    # vLLM's FA3 kernel forced for the same 128 requests: its batches of >= 33 launch the
+    # requests longest first inside vLLM's captured graphs.
+    "trtllm-wide-fa3": replace(_wide("main", "TRTLLM_MLA"),
+                               env={"TRTLLM_MLA_DECODE_ROUTE": "vllm-fa3-mla"}),
     "trtllm-b32": EngineSpec("main", _trtllm(block_size=32, compilation_config=FAST_GRAPHS)),
     "triton-b32": EngineSpec("main", {"block_size": 32, "attention_backend": "TRITON_MLA",
                                       "compilation_config": FAST_GRAPHS}),
@@ -546,6 +550,19 @@ def test_wide_batch_on_split_kv_kernel_matches_vllm(engine, ours_name: str, ref_
     assert_plugin_served(ours)
     assert ours.route().split("+") == ["vllm-fa3-mla", "cuda-splitk"], ours.route()
     assert_vllm_served(ref, ref_backend)
+    assert_same_generations(engine, ours, ref, "wide")
+
+
+def test_wide_batch_on_fa3_longest_first_matches_flashmla(engine):
+    """vLLM's FA3 kernel forced (``TRTLLM_MLA_DECODE_ROUTE``) for 128 requests under CUDA
+    graphs, finishing in waves: the batches of 33 or more (128 down to 43) launch FA3 on
+    their requests longest first (``seqused_q`` and permuted ``cu_seqlens_q``, the tables
+    reordered at plan time, inside vLLM's captured graphs), 21 in the caller's order, and the
+    generations match FLASHMLA's."""
+    ours, ref = engine("trtllm-wide-fa3"), engine("flashmla-wide")
+    assert_plugin_served(ours)
+    assert ours.route() == "vllm-fa3-mla", ours.route()
+    assert_vllm_served(ref, "FLASHMLA")
     assert_same_generations(engine, ours, ref, "wide")
 
 

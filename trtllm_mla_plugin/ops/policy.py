@@ -184,6 +184,22 @@ FA3_SPLIT_MARGIN = 1.1
 #: FA3's (``ops.fa3_splits.balanced_splits``) where FA3's formula, whose 10% margin leaves
 #: many batches a few work tiles past one wave of SMs, spills a second wave.
 VLLM_FA3_BALANCED_SPLITS = True
+#: Batches of at least this many requests reach FA3 longest first: the ``vllm-fa3-mla``
+#: route hands FA3 the requests in length order (through ``cu_seqlens_q`` and
+#: ``seqused_q``, no data moved), so the kernel's in-order persistent grid takes the long
+#: requests first and the short ones fill its last wave. Run 157 (seeds 110-125, the 155
+#: bf16 shapes of 33-1024 requests, CUDA graphs): 1.032x FA3 in the caller's order on
+#: geomean, worst 0.945, up to 1.19x on ragged grid batches (h128 b64 32k).
+VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
+#: Under CUDA graphs vLLM's FA3 kernel, its requests longest first, also takes batches of
+#: VLLM_FA3_LENGTH_ORDER_MIN_BATCH to this many requests at any query rows, ahead of
+#: FlashMLA, for specs ``cuda-splitk`` cannot serve (its 8-16-row batches keep it, and
+#: FlashMLA behind it: run 157 timed the two about equal there). Run 157 (fit, seeds 110-125, the
+#: 155 shapes of >= 33 requests): 0.989 -> 1.029 of the faster of vLLM's two calls on
+#: geomean, worst 0.666 -> 0.811, shapes under 0.95 34 -> 26; the bf16 grid's 32 such
+#: shapes 1.011 -> 1.034 (replayed from the forced rows; bounds of 48-1024 requests and
+#: 2k-16k rows or none tried: 256 and none scored best, 512 and 1024 within 0.003).
+VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 256
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to
@@ -412,11 +428,13 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
 def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 rule for vLLM's FA3 MLA kernel. Under CUDA graphs (no lengths): ahead of
     FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
-    ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, and for every batch of at most
-    ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths: ahead of FlashInfer
-    FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH`` requests and at least
-    ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts FlashMLA first where its
-    rule, which then decides first, takes the batch)."""
+    ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
+    to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) of specs
+    ``cuda-splitk`` cannot serve, and for every
+    batch of at most ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
+    ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
+    requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
+    FlashMLA first where its rule, which then decides first, takes the batch)."""
     if shape is None:
         return False
     if shape.max_seq_len is not None:
@@ -425,8 +443,18 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     request_rows = spec.num_heads * shape.max_q_len
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
+    if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
+            and not splitk_candidate(spec)):
+        return True
     rows = shape.batch_size * request_rows
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
+
+
+def vllm_fa3_length_order(batch_size: int) -> bool:
+    """Whether the ``vllm-fa3-mla`` route launches a batch of ``batch_size`` requests
+    longest first (``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``); batch size alone, so a captured
+    launch and its replays agree."""
+    return batch_size >= VLLM_FA3_LENGTH_ORDER_MIN_BATCH
 
 
 def query_tile_rows(spec: DecodeSpec, max_q_len: int) -> float:

@@ -70,6 +70,14 @@ GRAPH_WIDE_MAX_ROWS = 1024
 FA3_PAGE_MULTIPLE = 16
 
 
+def fa3_forward_op():
+    """vLLM's FA3 forward op (``torch.ops._vllm_fa3_C.fwd``, registered by importing
+    ``FA3_MODULE``), called directly where the route passes ``seqused_q``, which
+    ``flash_attn_varlen_func`` does not take; its arguments in the order of that wrapper's
+    own call."""
+    return torch.ops._vllm_fa3_C.fwd
+
+
 def graph_split_reserve(num_heads: int, num_tokens: int) -> int:
     """KV splits a captured launch of ``num_tokens`` query tokens with ``num_heads`` heads
     reserves partial outputs for (the ``num_splits`` it passes to FA3)."""
@@ -103,6 +111,61 @@ def fa3_work_tiles(batch: DecodeBatch, query_tiles: int) -> int | None:
     else:
         return None
     return query_tiles * kv_tiles
+
+
+class LengthOrder:
+    """Persistent copies of a step's per-request tables in length order (longest first),
+    for FA3 launches that read the batch in that order: FA3's persistent grid takes work
+    tiles in batch order, so long requests first leave the short ones to fill the last wave
+    (longest-processing-time-first list scheduling).
+
+    FA3 reads request ``i``'s query rows at ``cu_seqlens_q[i]`` for ``seqused_q[i]`` rows
+    when ``seqused_q`` is given, so a permuted offsets vector reorders the batch without
+    moving query or output rows. Batches without exact host lengths, or with ragged query
+    lengths, keep their order (the same buffers, so a captured launch replays either way).
+
+    Attributes (views for the planned step, at fixed addresses):
+        cu_seqlens_q: ``[batch + 1]`` int32, request ``order[i]``'s first query row.
+        seqused_q: ``[batch]`` int32, query rows of request ``order[i]``.
+        seq_lens: ``[batch]`` int32, KV length of request ``order[i]``.
+        block_table: ``[batch, width]`` int32, block table row of request ``order[i]``.
+        lens_host: ``[batch]`` host lengths in this order (``None`` without host lengths).
+    """
+
+    def __init__(self, max_batch_size: int, device: torch.device) -> None:
+        ints = {"dtype": torch.int32, "device": device}
+        self._cu = torch.zeros(max_batch_size + 1, **ints)
+        self._q_lens = torch.zeros(max_batch_size, **ints)
+        self._seq_lens = torch.zeros(max_batch_size, **ints)
+        self._perm = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self._table: torch.Tensor | None = None
+        self.lens_host: np.ndarray | None = None
+
+    def stage(self, batch: DecodeBatch, block_table: torch.Tensor, seq_lens: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, lens_host: np.ndarray | None) -> None:
+        """Write the step's tables in length order (or as given, see the class)."""
+        b = batch.batch_size
+        if lens_host is not None and batch.uniform_q_len and b > 1:
+            order = np.argsort(-lens_host, kind="stable")
+            self.lens_host = lens_host[order]
+            self._perm[:b].copy_(torch.from_numpy(order), non_blocking=True)
+        else:
+            self.lens_host = lens_host
+            torch.arange(b, out=self._perm[:b])
+        perm = self._perm[:b]
+        width = block_table.shape[1]
+        if self._table is None or self._table.shape[1] < width:
+            self._table = torch.zeros(self._perm.shape[0], width, dtype=torch.int32,
+                                      device=self._perm.device)
+        self.block_table = self._table[:b, :width]
+        torch.index_select(block_table, 0, perm, out=self.block_table)
+        self.seq_lens = self._seq_lens[:b]
+        torch.index_select(seq_lens, 0, perm, out=self.seq_lens)
+        self.cu_seqlens_q = self._cu[: b + 1]
+        torch.index_select(cu_seqlens_q[:b], 0, perm, out=self.cu_seqlens_q[:b])
+        self.cu_seqlens_q[b:].copy_(cu_seqlens_q[b:])
+        self.seqused_q = self._q_lens[:b]
+        torch.index_select(cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0, perm, out=self.seqused_q)
 
 
 class VllmFA3MLARoute(DecodeRoute):
@@ -155,6 +218,11 @@ class VllmFA3MLARoute(DecodeRoute):
         #: Benchmarks: write ``fa3_splits.balanced_splits`` over FA3's splits (True), keep
         #: FA3's own (False), instead of the route's rule (``None``).
         self.balanced_splits_override: bool | None = None
+        #: Benchmarks: launch with the requests in length order (True) or as given (False)
+        #: instead of ``policy.vllm_fa3_length_order``.
+        self.length_order_override: bool | None = None
+        self._order = LengthOrder(max_batch_size, device)
+        self._ordered = False
         self._reserved_splits = self._planned_splits = 0
         self._query_offsets = StagedQueryOffsets(max_batch_size, device)
         #: FA3's scheduler metadata at a fixed address (captured launches read it).
@@ -169,6 +237,12 @@ class VllmFA3MLARoute(DecodeRoute):
         b, spec = batch.batch_size, self.spec
         self._block_table, self._seq_lens = self._tables.stage(batch)
         self._cu = cu = self._query_offsets.stage(batch)
+        self._ordered = (policy.vllm_fa3_length_order(b) if self.length_order_override is None
+                         else self.length_order_override)
+        lens_host = None if batch.seq_lens_host is None else batch.seq_lens_host.numpy()
+        if self._ordered:
+            self._order.stage(batch, self._block_table, self._seq_lens, cu, lens_host)
+            lens_host = self._order.lens_host
         self._reserved_splits, self._planned_splits = self._splits(batch)
         metadata = self._fa.get_scheduler_metadata(
             batch_size=b,
@@ -177,7 +251,7 @@ class VllmFA3MLARoute(DecodeRoute):
             num_heads_q=spec.num_heads,
             num_heads_kv=1,
             headdim=spec.rope_dim,
-            cache_seqlens=self._seq_lens,
+            cache_seqlens=self._order.seq_lens if self._ordered else self._seq_lens,
             qkv_dtype=spec.kv_dtype,
             headdim_v=spec.kv_lora_rank,
             cu_seqlens_q=cu,
@@ -189,7 +263,7 @@ class VllmFA3MLARoute(DecodeRoute):
         self._scheduler[:n].copy_(metadata)
         self._scheduler[n:].zero_()
         self._metadata = self._scheduler[:n]
-        splits = self._balanced_splits(batch)
+        splits = self._balanced_splits(batch, lens_host)
         if splits is not None:
             # FA3's metadata: each request's query rows, then its splits (what the kernel and
             # FA3's combine read), each vector padded to a multiple of 4 requests.
@@ -198,7 +272,8 @@ class VllmFA3MLARoute(DecodeRoute):
                                                       non_blocking=True)
         self._batch = batch
 
-    def _balanced_splits(self, batch: DecodeBatch) -> np.ndarray | None:
+    def _balanced_splits(self, batch: DecodeBatch,
+                         lens_host: np.ndarray | None) -> np.ndarray | None:
         """Splits per request that fill FA3's grid better than its own formula
         (``fa3_splits.balanced_splits``), or ``None`` to keep FA3's: under CUDA graphs,
         where the plan has per-request splits (a cap of >= 2; FA3 also needs at most 992
@@ -208,10 +283,10 @@ class VllmFA3MLARoute(DecodeRoute):
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
         tiles = policy.query_tiles(self.spec, batch.max_q_len)
-        if (not wanted or self._planned_splits < 2 or batch.seq_lens_host is None
+        if (not wanted or self._planned_splits < 2 or lens_host is None
                 or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms)):
             return None
-        lens = batch.seq_lens_host.numpy().astype(np.int64)
+        lens = lens_host.astype(np.int64)
         return fa3_splits.balanced_splits(
             -(-lens // policy.FA3_KV_TILE), tiles, self._reserved_splits, self._sms,
             policy.query_tile_rows(self.spec, batch.max_q_len), self._planned_splits)
@@ -256,6 +331,18 @@ class VllmFA3MLARoute(DecodeRoute):
         else:
             q_latent, q_rope = query[..., :dc], query[..., dc:]
         cache = kv_cache.unsqueeze(-2)
+        if self._ordered:
+            order = self._order
+            # vLLM's wrapper passes no ``seqused_q``; with it each request's rows start at
+            # ``cu_seqlens_q[i]`` in any order, so the kernel reads the batch in length order.
+            fa3_forward_op()(
+                q_rope, cache[..., dc:], cache[..., :dc], None, None, q_latent, out,
+                order.cu_seqlens_q, None, None, order.seqused_q, order.seq_lens,
+                batch.max_q_len, batch.max_seq_len, order.block_table, None, None, None,
+                None, None, None, None, None, spec.softmax_scale, True, -1, -1, 0.0, True,
+                self._metadata, self._reserved_splits, None, 0, None, 1, 0, None,
+            )
+            return out
         self._fa.flash_attn_varlen_func(
             q=q_rope,
             k=cache[..., dc:],

@@ -35,6 +35,11 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
   have shape", run 102). Where FA3's own plan of a step would spill a second wave of work
   tiles onto a few SMs, the route writes its own per-request splits over FA3's
   (``ops.fa3_splits``, runs 153-156), from the host's exact lengths.
+* batch order: batches of ``policy.VLLM_FA3_LENGTH_ORDER_MIN_BATCH`` or more requests are
+  launched longest first (``LengthOrder``, runs 157-158): FA3's persistent grid takes work
+  tiles in batch order, and with ``seqused_q`` (which ``flash_attn_varlen_func`` does not
+  pass, so the route calls the op itself) a permuted ``cu_seqlens_q`` reorders the batch
+  without moving query or output rows.
 """
 
 from __future__ import annotations

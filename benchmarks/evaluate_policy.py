@@ -35,6 +35,9 @@ FLASHMLA.
 Eager picks of vLLM's FA3 kernel are scored by the ``vllm-fa3-mla-eager`` row where the
 file has one (no cap on its KV splits, as an eager decoder runs it; run 80 on), else by
 the capped ``vllm-fa3-mla`` row (0.999 of the uncapped time over run 80's 82 shapes).
+Batches of >= 33 requests on vLLM's FA3 kernel are scored by the ``vllm-fa3-mla`` row as
+the file timed it: longest first from run 158 on (``policy.vllm_fa3_length_order``), in the
+caller's order before (run 157's ``route:vllm-fa3-mla:sorted`` rows have the order).
 """
 
 from __future__ import annotations

@@ -96,19 +96,27 @@ def decoder_kernel(
     return Kernel(name, call, out=out, obj=dec)
 
 
+def replanned(kernel: Kernel, case: Case, **route_settings: object) -> Kernel:
+    """``kernel`` (a ``decoder_kernel``) with ``route_settings`` set on its route and the
+    case's batch planned again; unchanged where the route is absent."""
+    if kernel.obj is not None:
+        for name, value in route_settings.items():
+            setattr(kernel.obj.route, name, value)
+        kernel.obj.plan(case.batch)
+    return kernel
+
+
 def extra_route_kernel(spec: str, case: Case) -> Kernel:
     """``--extra-routes`` entry ``spec``: a route timed forced under CUDA graphs, as the
     row ``route:SPEC``; ``vllm-fa3-mla:sorted`` launches FA3 on the requests longest first
     (``VllmFA3MLARoute.length_order_override``)."""
     route, _, variant = spec.partition(":")
     kernel = decoder_kernel(f"route:{spec}", case, route, cuda_graph=True)
-    if variant:
-        if (route, variant) != ("vllm-fa3-mla", "sorted"):
-            raise ValueError(f"unknown route variant {spec!r}")
-        if kernel.obj is not None:
-            kernel.obj.route.length_order_override = True
-            kernel.obj.plan(case.batch)
-    return kernel
+    if not variant:
+        return kernel
+    if (route, variant) != ("vllm-fa3-mla", "sorted"):
+        raise ValueError(f"unknown route variant {spec!r}")
+    return replanned(kernel, case, length_order_override=True)
 
 
 def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
@@ -134,10 +142,7 @@ def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:
         ks.append(decoder_kernel("vllm-fa3-mla", case, "vllm-fa3-mla", cuda_graph=True))
         # FA3 with its own splits (the route's balanced ones off): what the route ran before.
         own = decoder_kernel("vllm-fa3-mla-own", case, "vllm-fa3-mla", cuda_graph=True)
-        if own.obj is not None:
-            own.obj.route.balanced_splits_override = False
-            own.obj.plan(case.batch)
-        ks.append(own)
+        ks.append(replanned(own, case, balanced_splits_override=False))
         return ks
     if not (fp8 and mode == "random"):
         ks.append(decoder_kernel("fa3-sorted", case, "flashinfer-fa3", sort=True))

@@ -193,9 +193,9 @@ VLLM_FA3_BALANCED_SPLITS = True
 VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 #: Under CUDA graphs vLLM's FA3 kernel, its requests longest first, also takes batches of
 #: VLLM_FA3_LENGTH_ORDER_MIN_BATCH to this many requests at any query rows, ahead of
-#: FlashMLA, for specs ``cuda-splitk`` cannot serve (its 8-16-row batches keep it, and
-#: FlashMLA behind it: run 157 timed the two about equal there). Run 157 (fit, seeds 110-125, the
-#: 155 shapes of >= 33 requests): 0.989 -> 1.029 of the faster of vLLM's two calls on
+#: FlashMLA, for specs outside ``splitk_candidate`` (its 8-16-row batches keep it, and
+#: FlashMLA behind it: run 157 timed the two about equal there). Run 157 (fit, seeds
+#: 110-125, the 155 shapes of >= 33 requests): 0.989 -> 1.029 of the faster of vLLM's two calls on
 #: geomean, worst 0.666 -> 0.811, shapes under 0.95 34 -> 26; the bf16 grid's 32 such
 #: shapes 1.011 -> 1.034 (replayed from the forced rows; bounds of 48-1024 requests and
 #: 2k-16k rows or none tried: 256 and none scored best, 512 and 1024 within 0.003).
@@ -430,8 +430,8 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
     to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) of specs
-    ``cuda-splitk`` cannot serve, and for every
-    batch of at most ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
+    outside ``splitk_candidate``, and for every batch of at most
+    ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
     ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
     requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
     FlashMLA first where its rule, which then decides first, takes the batch)."""

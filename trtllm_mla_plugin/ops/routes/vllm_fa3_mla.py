@@ -170,7 +170,7 @@ class LengthOrder:
         torch.index_select(cu_seqlens_q[:b], 0, perm, out=self.cu_seqlens_q[:b])
         self.cu_seqlens_q[b:].copy_(cu_seqlens_q[b:])
         self.seqused_q = self._q_lens[:b]
-        torch.index_select(cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0, perm, out=self.seqused_q)
+        torch.index_select(torch.diff(cu_seqlens_q), 0, perm, out=self.seqused_q)
 
 
 class VllmFA3MLARoute(DecodeRoute):
@@ -283,7 +283,7 @@ class VllmFA3MLARoute(DecodeRoute):
         (``fa3_splits.balanced_splits``), or ``None`` to keep FA3's: under CUDA graphs,
         where the plan has per-request splits (a cap of >= 2; FA3 also needs at most 992
         requests, which ``may_spill``'s bound of ``SPILL x SMs`` query tiles keeps) and
-        the host has the step's lengths."""
+        the host has the step's lengths (``lens_host``, in the order FA3 is launched on)."""
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS

@@ -17,8 +17,8 @@ report the plugin's own dispatched time (``plugin[...]`` rows).
 
 ``--search-graph-bounds [--check CHECK.csv,...]`` instead replays the CUDA-graph rule under
 every combination of ``GRAPH_BOUND_GRID``'s bounds (``ops.policy``'s
-``VLLM_FA3_GRAPH_MAX_BATCH``, ``..._MAX_ROWS``, ``..._MAX_REQUEST_ROWS`` and
-``..._ORDERED_MAX_BATCH``) on the files
+``VLLM_FA3_GRAPH_MAX_BATCH``, ``..._MAX_ROWS``, ``..._MAX_REQUEST_ROWS``,
+``..._ORDERED_MAX_BATCH`` and ``..._ORDERED_UNEVEN_TILES``) on the files
 (the fit set) and on ``--check``'s (shapes the choice is checked on) and prints the best
 bounds by the fit set's geometric mean beside today's (``shapes.jsonl`` may be ``-``: the
 graph rule needs no lengths).
@@ -170,6 +170,8 @@ GRAPH_BOUND_GRID = {
     "VLLM_FA3_GRAPH_MAX_REQUEST_ROWS": (0, 8, 16),
     # 0: no batch of >= VLLM_FA3_LENGTH_ORDER_MIN_BATCH requests goes to FA3 by this bound.
     "VLLM_FA3_GRAPH_ORDERED_MAX_BATCH": (0, 256, 512, 1024),
+    # True: those batches go to FA3 at 96 rows per request too (unevenly filled tiles).
+    "VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES": (False, True),
 }
 
 
@@ -225,7 +227,8 @@ def print_graph_bounds_search(fit: Sequence[str], check: Sequence[str],
     """The ``top`` bounds by fit geomean and today's, each with its fit and check scores."""
     today = {name: getattr(policy, name) for name in GRAPH_BOUND_GRID}
     results = search_graph_bounds(fit, check, lens, vs)
-    print("max batch, max rows, max rows per request: fit geomean / worst (shapes)"
+    print("max batch, max rows, max rows per request, max ordered batch, uneven tiles to FA3: "
+          "fit geomean / worst (shapes)"
           + ("; check geomean / worst (shapes)" if check else ""))
     shown = results[:top]
     if all(r[0] != today for r in shown):

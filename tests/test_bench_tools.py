@@ -621,7 +621,7 @@ def test_graph_bounds_search_replays_each_bound_and_restores_the_policy(tmp_path
     assert fit_today == pytest.approx((math.sqrt(0.5), 0.5, 2))
     assert check_today == pytest.approx((1.0, 1.0, 1))
     # A bound of 256 requests sends b200 to FA3 as well.
-    assert by_bounds[(256, 1 << 30, 0, 0)][0] == pytest.approx((math.sqrt(0.5), 0.5, 2))
+    assert by_bounds[(256, 1 << 30, 0, 0, False)][0] == pytest.approx((math.sqrt(0.5), 0.5, 2))
 
 
 def test_overhead_sweep_times_each_plan_beside_the_peers(monkeypatch, tmp_path, capsys):

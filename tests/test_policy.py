@@ -102,6 +102,11 @@ CASES = [
     (128, BatchShape(5, 4), "flashmla"),  # ... up to 2048 query rows (5 x 128 x 4 = 2560)
     (8, BatchShape(452, 1), "vllm-fa3-mla"),  # 8 query rows per request: any batch size
     (8, BatchShape(33, 3), "flashmla"),  # ... with one query token (24 rows: FlashMLA)
+    (32, BatchShape(45, 3), "flashmla"),  # 96 rows, two tiles, one half full: FlashMLA ...
+    (32, BatchShape(256, 3), "flashmla"),
+    (32, BatchShape(21, 3), "vllm-fa3-mla"),  # ... but FA3 for <= 32 (21 x 96 = 2016 rows)
+    (32, BatchShape(45, 4), "vllm-fa3-mla"),  # 128 rows, even tiles: FA3 longest first
+    (64, BatchShape(45, 3), "vllm-fa3-mla"),  # 192 rows: three full tiles
 ]
 
 
@@ -456,13 +461,15 @@ def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
     (64, 2, 16),    # 16 x 64 x 2 = 2048
     (16, 4, 32),    # both bounds: 32 requests, 32 x 16 x 4 = 2048 rows
     (8, 2, 32),     # the request bound binds first (32 x 8 x 2 = 512 rows)
+    (32, 3, 21),    # 21 x 96 = 2016 rows; 33-256 requests of 96 rows stay on FlashMLA
 ])
 def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, heads, q_len,
                                                   largest_fa3_batch):
     """Speculative decoding under CUDA graphs: vLLM's FA3 MLA kernel takes batches of at
     most VLLM_FA3_GRAPH_MAX_BATCH requests and VLLM_FA3_GRAPH_MAX_ROWS query rows (h128 q4
     b5-b9 ran 1.4x faster on FlashMLA in run 23) and batches of 33-256 requests
-    (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``), FlashMLA the rest."""
+    (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``) but for requests of unevenly filled query tiles
+    (96 rows), FlashMLA the rest."""
     dec, _ = stub_decoder(monkeypatch, heads=heads, cuda_graph=True, q_len=q_len)
     for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 32, 33, 256, 257):
         lens = torch.full((b,), 4 * K, dtype=torch.int32)
@@ -470,7 +477,9 @@ def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, 
                              max_q_len=q_len, num_tokens=b * q_len))
         # 33-256 requests: vLLM's FA3 again, the requests longest first, except for the
         # 8-16-row batches cuda-splitk takes where it is present (FlashMLA behind it).
-        ordered = 33 <= b <= 256 and heads * q_len > policy.SPLITK_MAX_REQUEST_ROWS
+        rows = heads * q_len
+        ordered = (33 <= b <= 256 and rows > policy.SPLITK_MAX_REQUEST_ROWS
+                   and not (rows > 64 and rows % 64))
         expected = "vllm-fa3-mla" if b <= largest_fa3_batch or ordered else "flashmla"
         assert dec.route.name == expected, b
 
@@ -515,6 +524,53 @@ def test_request_rows_rule_holds_on_every_timed_shape():
     assert checked >= 6
     assert len(slower) <= 1 and all(r < 1.15 for r in slower), slower
     assert log_sum < 0
+
+
+def test_uneven_tiles_rule_holds_on_the_timed_shapes():
+    """Batches of 33-256 requests of 96 query rows (32 heads x 3 tokens: two 64-row tiles,
+    the second half full) stay on FlashMLA under CUDA graphs, where even tiles go to vLLM's
+    FA3 kernel longest first: FlashMLA faster on geometric mean and on all but one of the
+    shapes runs 157-158 timed both ways (FA3 longest first: run 157's forced
+    ``route:vllm-fa3-mla:sorted`` rows, run 158's ``vllm-fa3-mla`` rows). Batches of up to
+    21 such requests (2016 rows), which the rule leaves on FA3, ran faster there on
+    geometric mean (runs 153-158). docs/bench-2026-12-03."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    from evaluate_policy import timed_rows
+
+    data = root / "docs" / "bench-2026-12-03"
+    s96 = spec(32, q_len=3)
+    assert policy.uneven_query_tiles(s96, 3)
+    assert not any(policy.uneven_query_tiles(spec(h, q_len=q), q)
+                   for h in (8, 16, 64, 128) for q in (1, 2, 3, 4))
+
+    def fa3_over_flashmla(files, sorted_row=False):
+        """(batch, FA3 time / FlashMLA time) of the files' 96-row bf16 shapes."""
+        for csv_file in files:
+            for ks in timed_rows(str(csv_file)).values():
+                r = next(iter(ks.values()))
+                b = int(r["batch"])
+                if (r["kv"] != "bf16" or r["block"] != "64"
+                        or int(r["heads"]) * int(r["q_len"]) != 96):
+                    continue
+                fa3 = ks.get("route:vllm-fa3-mla:sorted") if sorted_row else None
+                yield b, float((fa3 or ks["vllm-fa3-mla"])["us"]) / float(ks["flashmla"]["us"])
+
+    def graph_pick(b):
+        return next(n for n in policy.rank(s96, H200, BatchShape(b, 3))
+                    if n in ("vllm-fa3-mla", "flashmla"))
+
+    ordered = sorted(data.glob("run157-sorted-random-*.csv")) + sorted(
+        data.glob("run158-check-random-*.csv"))
+    large = [x for b, x in fa3_over_flashmla(ordered, sorted_row=True) if 33 <= b <= 256]
+    small = [x for b, x in fa3_over_flashmla(sorted(data.glob("run15*-random-*.csv")))
+             if b <= 21]
+    assert graph_pick(33) == graph_pick(256) == "flashmla"
+    assert graph_pick(21) == "vllm-fa3-mla"
+    assert len(large) >= 6 and len(small) >= 6
+    assert sum(x <= 1 for x in large) <= 1, large
+    assert math.fsum(map(math.log, large)) / len(large) > math.log(1.1), large
+    assert math.fsum(map(math.log, small)) < 0, small
 
 
 def test_graph_rule_follows_the_paired_engine_rounds():

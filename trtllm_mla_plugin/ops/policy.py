@@ -200,6 +200,16 @@ VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 #: shapes 1.011 -> 1.034 (replayed from the forced rows; bounds of 48-1024 requests and
 #: 2k-16k rows or none tried: 256 and none scored best, 512 and 1024 within 0.003).
 VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 256
+#: ... except where a request's query rows fill its 64-row tiles unevenly
+#: (``uneven_query_tiles``: more than one tile, the last partly filled; of 8-128 heads at
+#: 1-4 query tokens only 32 heads x 3 tokens = 96 rows), which keep FlashMLA: at 96 rows
+#: and 33-256 requests FlashMLA ran faster than FA3 longest first on 6 of the 7 shapes
+#: runs 157-158 timed (1.165x on geomean; h32 b45 397 tokens: 27.7 against 46.6 us) and
+#: than FA3 in the caller's order in 24 of 29 earlier timings (1.12x; runs 52-156). Batches
+#: of at most 32 such requests stay on FA3 (faster in 41 of 44 timings, 1.13x). Replayed on
+#: run 158's fresh seeds 134-141: 1.014 -> 1.018 of the faster of vLLM's two calls, worst
+#: 0.609 -> 0.615 (docs/benchmarks.md, "96 query rows per request back on FlashMLA").
+VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to
@@ -430,7 +440,8 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
     to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) of specs
-    outside ``splitk_candidate``, and for every batch of at most
+    outside ``splitk_candidate`` whose query tiles are even (``uneven_query_tiles``), and
+    for every batch of at most
     ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
     ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
     requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
@@ -444,7 +455,9 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
     if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
-            and not splitk_candidate(spec)):
+            and not splitk_candidate(spec)
+            and (VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES
+                 or not uneven_query_tiles(spec, shape.max_q_len))):
         return True
     rows = shape.batch_size * request_rows
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
@@ -455,6 +468,13 @@ def vllm_fa3_length_order(batch_size: int) -> bool:
     longest first (``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``); batch size alone, so a captured
     launch and its replays agree."""
     return batch_size >= VLLM_FA3_LENGTH_ORDER_MIN_BATCH
+
+
+def uneven_query_tiles(spec: DecodeSpec, max_q_len: int) -> bool:
+    """Whether a request's ``heads x max_q_len`` query rows span more than one 64-row tile
+    and fill the last one partly (96 rows: two tiles, the second half full)."""
+    rows = spec.num_heads * max_q_len
+    return rows > 64 and rows % 64 != 0
 
 
 def query_tile_rows(spec: DecodeSpec, max_q_len: int) -> float:

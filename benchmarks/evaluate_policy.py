@@ -268,7 +268,7 @@ def main(*argv: str) -> None:
         node_us = float(args[i + 1])
         del args[i:i + 2]
     shapes_path, *paths = args
-    lens: dict[str, list[int]] = {}
+    lens: dict[str, list[int]] = defaultdict(list)  # "-": no lengths (the graph rule)
     if shapes_path != "-":
         with open(shapes_path) as f:
             for line in f:

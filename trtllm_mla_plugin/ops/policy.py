@@ -202,7 +202,8 @@ VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 256
 #: ... except where a request's query rows fill its 64-row tiles unevenly
 #: (``uneven_query_tiles``: more than one tile, the last partly filled; of 8-128 heads at
-#: 1-4 query tokens only 32 heads x 3 tokens = 96 rows), which keep FlashMLA: at 96 rows
+#: 1-4 query tokens only 32 heads x 3 tokens = 96 rows; head counts that are no power of
+#: two, none measured, follow the same test), which keep FlashMLA: at 96 rows
 #: and 33-256 requests FlashMLA ran faster than FA3 longest first on 6 of the 7 shapes
 #: runs 157-158 timed (1.165x on geomean; h32 b45 397 tokens: 27.7 against 46.6 us) and
 #: than FA3 in the caller's order in 24 of 29 earlier timings (1.12x; runs 52-156). Batches

@@ -474,8 +474,8 @@ def vllm_fa3_length_order(batch_size: int) -> bool:
 def uneven_query_tiles(spec: DecodeSpec, max_q_len: int) -> bool:
     """Whether a request's ``heads x max_q_len`` query rows span more than one 64-row tile
     and fill the last one partly (96 rows: two tiles, the second half full)."""
-    rows = spec.num_heads * max_q_len
-    return rows > 64 and rows % 64 != 0
+    tiles = query_tiles(spec, max_q_len)
+    return tiles > 1 and tiles * 64 != spec.num_heads * max_q_len
 
 
 def query_tile_rows(spec: DecodeSpec, max_q_len: int) -> float:

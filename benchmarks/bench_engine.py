@@ -301,7 +301,7 @@ def worker(args: argparse.Namespace) -> None:
             os.environ[ROUTE_ENV_VAR] = outside_route
         backend, _ = set_route(name)
         llms[name] = make_llm(args, backend, max(batches), batches,
-                              gpu_memory=0.45 if len(names) > 1 else 0.6)
+                              gpu_memory=args.gpu_memory or (0.45 if len(names) > 1 else 0.6))
     clocks = {name: record_step_intervals(llm) for name, llm in llms.items()}
     rows = []
     for b in batches:
@@ -362,7 +362,8 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
            "--min-prompt", str(args.min_prompt), "--max-prompt",
            str(args.max_prompt), "--seed", str(args.seed), "--layers",
            str(args.layers), "--result", str(result), *(["--eager"] if args.eager else []),
-           *(["--core-steps"] if args.core_steps else [])]
+           *(["--core-steps"] if args.core_steps else []),
+           *(["--gpu-memory", str(args.gpu_memory)] if args.gpu_memory else [])]
     log = args.out / f"log-{tag}.txt"
     with open(log, "w") as f:
         # Its own session, so that the engine processes it leaves behind (its worker exits
@@ -433,6 +434,12 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eager", action="store_true",
                     help="engines with enforce_eager (no CUDA graphs): the plugin's decoder "
                          "then sees each step's lengths and ranks routes per batch")
+    ap.add_argument("--gpu-memory", type=float, default=None,
+                    help="vLLM's gpu_memory_utilization per engine (default 0.6, or 0.45 "
+                         "each for two engines in one process, --paired). Two 128-head "
+                         "engines with an FP8 cache ran out of memory in one process at 0.45 "
+                         "and at 0.4 (runs 166, 168: after its prefills over cached FP8 "
+                         "context, vLLM's own path, the first engine held 72-75 GiB)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)

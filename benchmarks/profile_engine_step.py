@@ -170,7 +170,8 @@ def worker(args: argparse.Namespace) -> None:
     backend, _ = bench_engine.set_route(args.backend)
     wrap_scopes()
     args.output_len = args.steps
-    llm = bench_engine.make_llm(args, backend, args.batch, [args.batch])
+    llm = bench_engine.make_llm(args, backend, args.batch, [args.batch],
+                                gpu_memory=args.gpu_memory or 0.6)
     prompts = bench_engine.make_prompts(args, args.batch)
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     bench_engine.timed_generate(llm, prompts, args.short_len)  # warm-up

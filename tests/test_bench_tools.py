@@ -254,9 +254,11 @@ class _FakeLLM:
         return [type("R", (), {"outputs": [out]})() for _ in prompts]
 
 
-def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
+@pytest.mark.parametrize(("gpu_memory", "share"), [(None, 0.45), (0.4, 0.4)])
+def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path, gpu_memory, share):
     """``--backend A,B``: both engines live in one process, each started with only its own
-    forced route, timed A B then B A; one row per engine and batch."""
+    forced route and its share of GPU memory (``--gpu-memory``, else 0.45), timed A B then
+    B A; one row per engine and batch."""
     pytest.importorskip("vllm")
 
     from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
@@ -289,10 +291,10 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path):
     args = type("A", (), dict(
         backend="TRTLLM_MLA@flashmla,FLASHMLA", batches="2", heads=16, kv="auto",
         output_len=6, short_len=2, repeats=2, min_prompt=4, max_prompt=8, seed=0, layers=2,
-        eager=False, result=str(tmp_path / "r.json")))()
+        eager=False, result=str(tmp_path / "r.json"), gpu_memory=gpu_memory))()
     with pytest.raises(SystemExit):
         bench_engine.worker(args)
-    assert started == [("TRTLLM_MLA", "flashmla", 0.45), ("FLASHMLA", None, 0.45)]
+    assert started == [("TRTLLM_MLA", "flashmla", share), ("FLASHMLA", None, share)]
     timed = [c for c in calls if c[1] > 1]  # after the one-token prefills
     assert [name for name, _ in timed] == ["TRTLLM_MLA", "TRTLLM_MLA", "FLASHMLA", "FLASHMLA",
                                            "FLASHMLA", "FLASHMLA", "TRTLLM_MLA", "TRTLLM_MLA"]
@@ -334,7 +336,7 @@ def test_engine_processes_left_behind_by_a_worker_are_killed(monkeypatch, tmp_pa
     monkeypatch.setattr(bench_engine, "wait_for_free_gpu", lambda: True)
     args = type("A", (), dict(out=tmp_path, batches="2", output_len=6, short_len=2,
                               repeats=1, min_prompt=4, max_prompt=8, seed=0, layers=2,
-                              timeout=60, eager=False, core_steps=True))()
+                              timeout=60, eager=False, core_steps=True, gpu_memory=None))()
     rows = bench_engine.engine_rows(args, tmp_path / "model", 16, "auto", "TRTLLM_MLA", 0)
     assert rows == [{"status": "ok", "core": True, "round": 0}]
     pid = int((tmp_path / "child.pid").read_text())
@@ -370,7 +372,7 @@ def test_a_bench_stopped_from_outside_kills_its_running_engines(tmp_path):
         args = type("A", (), dict(out=__import__("pathlib").Path({str(tmp_path)!r}),
                                   batches="2", output_len=6, short_len=2, repeats=1,
                                   min_prompt=4, max_prompt=8, seed=0, layers=2, timeout=100,
-                                  eager=False, core_steps=False))()
+                                  eager=False, core_steps=False, gpu_memory=None))()
         bench_engine.stop_on_sigterm()
         bench_engine.engine_rows(args, "model", 16, "auto", "TRTLLM_MLA", 0)
     """))

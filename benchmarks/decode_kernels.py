@@ -106,17 +106,28 @@ def replanned(kernel: Kernel, case: Case, **route_settings: object) -> Kernel:
     return kernel
 
 
+#: ``--extra-routes`` variants: the route settings each forces (``replanned``).
+ROUTE_VARIANTS = {
+    # FA3 on the requests longest first at any batch size.
+    ("vllm-fa3-mla", "sorted"): {"length_order_override": True},
+    # The route's own splits per request on every step, outside their band too (run 153
+    # timed that in the caller's order; since run 158 batches of >= 33 run longest first).
+    ("vllm-fa3-mla", "balanced"): {"balanced_splits_override": True},
+}
+
+
 def extra_route_kernel(spec: str, case: Case) -> Kernel:
     """``--extra-routes`` entry ``spec``: a route timed forced under CUDA graphs, as the
-    row ``route:SPEC``; ``vllm-fa3-mla:sorted`` launches FA3 on the requests longest first
-    (``VllmFA3MLARoute.length_order_override``)."""
+    row ``route:SPEC``; ``ROUTE:VARIANT`` with the settings of ``ROUTE_VARIANTS``
+    (``vllm-fa3-mla:sorted``, ``vllm-fa3-mla:balanced``)."""
     route, _, variant = spec.partition(":")
+    if variant and (route, variant) not in ROUTE_VARIANTS:
+        raise ValueError(f"unknown route variant {spec!r}; known: "
+                         + ", ".join(f"{r}:{v}" for r, v in ROUTE_VARIANTS))
     kernel = decoder_kernel(f"route:{spec}", case, route, cuda_graph=True)
     if not variant:
         return kernel
-    if (route, variant) != ("vllm-fa3-mla", "sorted"):
-        raise ValueError(f"unknown route variant {spec!r}")
-    return replanned(kernel, case, length_order_override=True)
+    return replanned(kernel, case, **ROUTE_VARIANTS[route, variant])
 
 
 def plugin_kernels(case: Case, mode: str = "grid") -> list[Kernel]:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_decode
 import bench_engine
+import decode_kernels
 import profile_engine_step
 import summarize_engine
 import torch
@@ -926,3 +927,19 @@ def test_splitk_build_ab_parses_variants_and_picks_shapes():
     assert shapes[named:] == bench_decode.random_set(97, 400, keep=bench_decode.BF,
                                                      request_rows=(9, 16), batches=(33, 127))
     assert len(shapes) > named
+
+
+def test_an_unknown_route_variant_is_refused_with_the_known_ones():
+    """``--extra-routes ROUTE:VARIANT`` names a variant of ``ROUTE_VARIANTS`` or stops
+    before anything is built."""
+    with pytest.raises(ValueError, match="vllm-fa3-mla:sorted, vllm-fa3-mla:balanced"):
+        decode_kernels.extra_route_kernel("vllm-fa3-mla:wide", case=None)
+    # Every setting a variant forces is one its route sets up (a misspelt name would only
+    # add an attribute that nothing reads).
+    import inspect
+
+    from trtllm_mla_plugin.ops.routes import ROUTES
+
+    for (route, _), settings in decode_kernels.ROUTE_VARIANTS.items():
+        init = inspect.getsource(ROUTES[route].__init__)
+        assert all(f"self.{name}:" in init or f"self.{name} =" in init for name in settings)

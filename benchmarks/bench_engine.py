@@ -209,8 +209,13 @@ def core_decode_step_s(outputs: list) -> float | None:
     return statistics.median(steps) if steps else None
 
 
+#: vLLM's ``gpu_memory_utilization`` of an engine alone in its process, and of each of two
+#: (``--paired``), unless ``--gpu-memory`` says otherwise.
+GPU_MEMORY_ALONE, GPU_MEMORY_PAIRED = 0.6, 0.45
+
+
 def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture: list[int],
-             gpu_memory: float = 0.6):
+             gpu_memory: float = GPU_MEMORY_ALONE):
     """The engine every run of this file times: CUDA graphs for decode batches of the sizes
     in ``capture`` (``--eager``: none, vLLM's ``enforce_eager``), no torch.compile, block
     64, prefix caching."""
@@ -291,6 +296,7 @@ def worker(args: argparse.Namespace) -> None:
     names = args.backend.split(",")
     batches = [int(b) for b in args.batches.split(",")]
     outside_route = os.environ.get(ROUTE_ENV_VAR)
+    share = args.gpu_memory or (GPU_MEMORY_PAIRED if len(names) > 1 else GPU_MEMORY_ALONE)
     llms = {}
     for name in names:
         # Each engine process inherits the environment at its start: one engine's forced
@@ -300,8 +306,7 @@ def worker(args: argparse.Namespace) -> None:
         else:
             os.environ[ROUTE_ENV_VAR] = outside_route
         backend, _ = set_route(name)
-        llms[name] = make_llm(args, backend, max(batches), batches,
-                              gpu_memory=args.gpu_memory or (0.45 if len(names) > 1 else 0.6))
+        llms[name] = make_llm(args, backend, max(batches), batches, gpu_memory=share)
     clocks = {name: record_step_intervals(llm) for name, llm in llms.items()}
     rows = []
     for b in batches:

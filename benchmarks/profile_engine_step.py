@@ -171,7 +171,7 @@ def worker(args: argparse.Namespace) -> None:
     wrap_scopes()
     args.output_len = args.steps
     llm = bench_engine.make_llm(args, backend, args.batch, [args.batch],
-                                gpu_memory=args.gpu_memory or 0.6)
+                                gpu_memory=args.gpu_memory or bench_engine.GPU_MEMORY_ALONE)
     prompts = bench_engine.make_prompts(args, args.batch)
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     bench_engine.timed_generate(llm, prompts, args.short_len)  # warm-up

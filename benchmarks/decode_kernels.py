@@ -9,6 +9,7 @@ cannot run here; the reason is reported, never dropped.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -110,9 +111,11 @@ def replanned(kernel: Kernel, case: Case, **route_settings: object) -> Kernel:
 ROUTE_VARIANTS = {
     # FA3 on the requests longest first at any batch size.
     ("vllm-fa3-mla", "sorted"): {"length_order_override": True},
-    # The route's own splits per request on every step, outside their band too (run 153
-    # timed that in the caller's order; since run 158 batches of >= 33 run longest first).
-    ("vllm-fa3-mla", "balanced"): {"balanced_splits_override": True},
+    # The route's own splits per request on every plan FA3 spills past one wave, outside
+    # their band too (run 153 timed that in the caller's order; since run 158 batches of
+    # >= 33 run longest first).
+    ("vllm-fa3-mla", "balanced"): {"balanced_splits_override": True,
+                                   "spill_override": math.inf},
 }
 
 

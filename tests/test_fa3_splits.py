@@ -57,6 +57,21 @@ def test_no_replan_outside_the_spill_band():
     assert fa3_splits.balanced_splits(np.full(400, 30), 1, 32, SMS, 16) is None
 
 
+def test_a_wider_band_replans_past_spill_but_never_past_fa3s_dynamic_split_batch():
+    # 187 one-split requests of 200 KV tiles: 1.42 waves, past SPILL (1.35); cut in two,
+    # 374 tiles run in 3 waves of half the work.
+    kv_tiles = np.full(187, 200)
+    assert fa3_splits.fa3_splits(kv_tiles, 1, 32, SMS).sum() == 187
+    assert fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 32) is None
+    wider = fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 32, spill=math.inf)
+    assert wider is not None
+    cost = fa3_splits.split_cost_tiles(32)
+    assert (grid_span(kv_tiles.tolist(), wider.tolist(), 1, cost)
+            < 0.8 * grid_span(kv_tiles.tolist(), [1] * 187, 1, cost))
+    # FA3 reads no per-request splits beyond 992 requests, whatever the band.
+    assert fa3_splits.balanced_splits(np.full(993, 20), 1, 32, SMS, 8, spill=math.inf) is None
+
+
 def test_short_requests_at_wide_query_tiles_are_not_cut_finer():
     # 172 requests of 11 KV tiles at 48 rows a tile: FA3 gives each one split (172 work
     # tiles, in the band), and a finer cut would leave pieces under MIN_SPLIT_TILES.

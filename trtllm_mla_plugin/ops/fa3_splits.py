@@ -31,6 +31,9 @@ QUERY_TILE_ROWS = 64
 #: FA3 plans this many times the SMs' work tiles at most for ``balanced_splits`` to replan:
 #: run 153 (seeds 101-104, the 29 bf16 shapes in the band) gained 1.09-1.51x on every one.
 SPILL = 1.35
+#: FA3 reads per-request splits only for batches of at most this many requests
+#: (``use_dynamic_split`` in ``hopper/flash_api.cpp``); ``SPILL`` keeps far below it.
+DYNAMIC_SPLIT_MAX_BATCH = 992
 #: Above this many query rows per tile a plan with more pieces than FA3's keeps at least
 #: ``MIN_SPLIT_TILES`` KV tiles in every piece of a cut request: runs 154-155 (seeds
 #: 110-117) lost 0.76-0.93x on short requests (345-1579 tokens) cut into pieces of 3-13
@@ -54,14 +57,15 @@ def fa3_splits(kv_tiles: np.ndarray, query_tiles: int, cap: int, sms: int) -> np
     return np.minimum(np.maximum(-(-kv_tiles // per_split), 1), cap)
 
 
-def may_spill(query_tiles_in_batch: int, sms: int) -> bool:
+def may_spill(query_tiles_in_batch: int, sms: int, spill: float = SPILL) -> bool:
     """Whether FA3's plan of a batch with this many query tiles (requests x query tiles per
     request) can land in ``balanced_splits``' band, before looking at any length. Every
     request has at least one split, so a batch of more than ``SPILL x sms`` query tiles
     starts past the band; and FA3's plan holds fewer than ``sms / 1.1`` tiles plus one per
     query tile (``ceil(x) < x + 1`` over its splits of ``1.1 W / sms`` KV tiles), so it
-    stays within one wave unless the batch has more than ``sms / 11`` query tiles."""
-    return sms * (1 - 1 / FA3_SPLIT_MARGIN) < query_tiles_in_batch <= SPILL * sms
+    stays within one wave unless the batch has more than ``sms / 11`` query tiles.
+    ``spill``: the band's upper bound, in waves (benchmarks time other bands)."""
+    return sms * (1 - 1 / FA3_SPLIT_MARGIN) < query_tiles_in_batch <= spill * sms
 
 
 def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, sms: int,
@@ -78,7 +82,8 @@ def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, s
 
 
 def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms: int,
-                    rows_per_tile: float, fa3_cap: int | None = None) -> np.ndarray | None:
+                    rows_per_tile: float, fa3_cap: int | None = None,
+                    spill: float = SPILL) -> np.ndarray | None:
     """Splits per request (int32 ``[batch]``, each in ``1..max_splits`` and at most the
     request's KV tiles) that fill FA3's grid of ``sms`` CTAs better than FA3's own plan,
     or ``None`` to keep FA3's (outside the band ``SPILL`` names, or where no size is
@@ -91,12 +96,14 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
         sms: FA3's grid (one CTA per SM).
         rows_per_tile: query rows per query tile (prices a split's partial output).
         fa3_cap: the cap FA3 plans its own splits with (default ``max_splits``).
+        spill: the band's upper bound, in waves of FA3's own plan.
     """
-    if not may_spill(query_tiles * kv_tiles.shape[0], sms):
+    if (kv_tiles.shape[0] > DYNAMIC_SPLIT_MAX_BATCH
+            or not may_spill(query_tiles * kv_tiles.shape[0], sms, spill)):
         return None
     n = np.maximum(kv_tiles, 1)
     own = fa3_splits(n, query_tiles, fa3_cap or max_splits, sms)
-    if not sms < query_tiles * int(own.sum()) <= SPILL * sms:
+    if not sms < query_tiles * int(own.sum()) <= spill * sms:
         return None
     top = int(n.max())
     sizes = CANDIDATE_SIZES[: int(np.searchsorted(CANDIDATE_SIZES, top)) + 1]

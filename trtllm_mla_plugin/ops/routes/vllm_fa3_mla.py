@@ -223,6 +223,9 @@ class VllmFA3MLARoute(DecodeRoute):
         #: Benchmarks: write ``fa3_splits.balanced_splits`` over FA3's splits (True), keep
         #: FA3's own (False), instead of the route's rule (``None``).
         self.balanced_splits_override: bool | None = None
+        #: Benchmarks: the band of FA3 plans ``balanced_splits`` replans, in waves, instead
+        #: of ``fa3_splits.SPILL`` (``math.inf``: every plan past one wave).
+        self.spill_override: float | None = None
         #: Benchmarks: launch with the requests in length order (True) or as given (False)
         #: instead of ``policy.vllm_fa3_length_order``.
         self.length_order_override: bool | None = None
@@ -281,20 +284,20 @@ class VllmFA3MLARoute(DecodeRoute):
                          lens_host: np.ndarray | None) -> np.ndarray | None:
         """Splits per request that fill FA3's grid better than its own formula
         (``fa3_splits.balanced_splits``), or ``None`` to keep FA3's: under CUDA graphs,
-        where the plan has per-request splits (a cap of >= 2; FA3 also needs at most 992
-        requests, which ``may_spill``'s bound of ``SPILL x SMs`` query tiles keeps) and
-        the host has the step's lengths (``lens_host``, in the order FA3 is launched on)."""
+        where the plan has per-request splits (a cap of >= 2) and the host has the step's
+        lengths (``lens_host``, in the order FA3 is launched on)."""
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
+        spill = fa3_splits.SPILL if self.spill_override is None else self.spill_override
         tiles = policy.query_tiles(self.spec, batch.max_q_len)
         if (not wanted or self._planned_splits < 2 or lens_host is None
-                or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms)):
+                or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms, spill)):
             return None
         lens = lens_host.astype(np.int64)
         return fa3_splits.balanced_splits(
             -(-lens // policy.FA3_KV_TILE), tiles, self._reserved_splits, self._sms,
-            policy.query_tile_rows(self.spec, batch.max_q_len), self._planned_splits)
+            policy.query_tile_rows(self.spec, batch.max_q_len), self._planned_splits, spill)
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
         """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3

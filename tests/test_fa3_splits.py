@@ -58,18 +58,37 @@ def test_no_replan_outside_the_spill_band():
 
 
 def test_a_wider_band_replans_past_spill_but_never_past_fa3s_dynamic_split_batch():
-    # 187 one-split requests of 200 KV tiles: 1.42 waves, past SPILL (1.35); cut in two,
-    # 374 tiles run in 3 waves of half the work.
+    # 187 one-split requests of 200 KV tiles at 64-row tiles: 1.42 waves, past SPILL (1.35);
+    # cut in two, 374 tiles run in 3 waves of half the work.
     kv_tiles = np.full(187, 200)
     assert fa3_splits.fa3_splits(kv_tiles, 1, 32, SMS).sum() == 187
-    assert fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 32) is None
-    wider = fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 32, spill=math.inf)
+    assert fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 64) is None
+    wider = fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 64, spill=math.inf)
     assert wider is not None
-    cost = fa3_splits.split_cost_tiles(32)
+    cost = fa3_splits.split_cost_tiles(64)
     assert (grid_span(kv_tiles.tolist(), wider.tolist(), 1, cost)
             < 0.8 * grid_span(kv_tiles.tolist(), [1] * 187, 1, cost))
     # FA3 reads no per-request splits beyond 992 requests, whatever the band.
     assert fa3_splits.balanced_splits(np.full(993, 20), 1, 32, SMS, 8, spill=math.inf) is None
+
+
+def test_narrow_tiles_over_long_requests_take_the_wider_band():
+    cost = fa3_splits.split_cost_tiles(32)
+    # The same 1.42 waves at 32-row tiles over requests of 200 KV tiles: NARROW_SPILL.
+    kv_tiles = np.full(187, 200)
+    planned = fa3_splits.balanced_splits(kv_tiles, 1, 32, SMS, 32)
+    assert planned is not None
+    assert (grid_span(kv_tiles.tolist(), planned.tolist(), 1, cost)
+            < 0.8 * grid_span(kv_tiles.tolist(), [1] * 187, 1, cost))
+    # Requests averaging fewer than NARROW_MIN_MEAN_TILES: SPILL's band, FA3's plan kept.
+    short = np.full(187, fa3_splits.NARROW_MIN_MEAN_TILES - 1)
+    assert fa3_splits.fa3_splits(short, 1, 32, SMS).sum() == 187
+    assert fa3_splits.balanced_splits(short, 1, 32, SMS, 32) is None
+    # 48 rows still narrow, 64 not.
+    assert fa3_splits.spill_band(48, kv_tiles) == fa3_splits.NARROW_SPILL
+    assert fa3_splits.spill_band(64, kv_tiles) == fa3_splits.SPILL
+    # Past NARROW_SPILL (210 requests: 1.59 waves): FA3's plan kept.
+    assert fa3_splits.balanced_splits(np.full(210, 200), 1, 32, SMS, 32) is None
 
 
 def test_short_requests_at_wide_query_tiles_are_not_cut_finer():

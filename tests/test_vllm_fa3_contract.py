@@ -407,3 +407,28 @@ def test_graph_plan_writes_balanced_splits_over_fa3s(monkeypatch):
         expect = want.tolist() if balanced else [1] * 28
         assert metadata[at: at + 28] == expect
         assert metadata[:at] == [1] * at and metadata[at + 28:] == [1] * (1 + 28)
+
+
+def test_graph_plan_takes_the_narrow_tile_band_longest_first(monkeypatch):
+    """32-row tiles over requests of 2.4-4.8k tokens, 128 of them: FA3's formula plans 192
+    work tiles (1.45 waves on 132 SMs), past ``SPILL`` but inside ``NARROW_SPILL``. The
+    route writes ``balanced_splits``' plan of the lengths longest first (the order it
+    launches FA3 in); with the band held at ``SPILL`` it keeps FA3's."""
+    fake = FakeFA3(metadata_len=1 + 3 * 128)
+    monkeypatch.setitem(sys.modules, FA3_MODULE, fake)
+    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
+    lens = [4800, 2400] * 64
+    batch = replace(batch_of(lens), seq_lens_host=torch.tensor(lens, dtype=torch.int32))
+    tiles = -(-np.sort(np.array(lens))[::-1] // 64)
+    want = fa3_splits.balanced_splits(tiles, 1, GRAPH_MAX_SPLITS, policy.HOPPER_SMS, 32,
+                                      GRAPH_MAX_SPLITS)
+    assert fa3_splits.fa3_splits(tiles, 1, GRAPH_MAX_SPLITS, policy.HOPPER_SMS).sum() == 192
+    assert want is not None
+    at = vllm_fa3_mla.fa3_splits_offset(128)
+    for spill, expect in ((None, want.tolist()), (fa3_splits.SPILL, [1] * 128)):
+        route = VllmFA3MLARoute(spec(heads=32), torch.device("cpu"), max_batch_size=128,
+                                cuda_graph=True)
+        route.spill_override = spill
+        route.plan(batch)
+        assert route._reserved_splits == GRAPH_MAX_SPLITS
+        assert route._scheduler[at: at + 128].tolist() == expect

@@ -288,13 +288,16 @@ def test_vllm_fa3_graph_replays_balanced_splits(heads, q_len, schedule):
 
 # (heads, q_len, steps of seq_lens): the route launching FA3 on the requests longest first
 # (``cu_seqlens_q`` permuted, ``seqused_q`` given) must replay to the float64 answer in the
-# caller's row order: ragged and uniform, one and several query tokens, a batch in
-# ``balanced_splits``' band (its plan then made on the sorted lengths) and a long one.
+# caller's row order: ragged and uniform, one and several query tokens, batches in
+# ``balanced_splits``' bands (its plan then made on the sorted lengths) and a long one.
 LENGTH_ORDER_CASES = [
     (16, 1, [[300] * 40, [9000, 200, 4000, 64, 12_000] * 8, [700] * 40], False),
     (64, 2, [[500] * 33, [100, 5000, 2500] * 11], False),
     (32, 1, [[300] * 28, [19_000, 12_000] * 14], True),
     (128, 1, [[1000] * 70, list(range(100, 7100, 100))], False),
+    # 32-row tiles over requests of 2.4-4.8k tokens, 1.45 waves of FA3's own plan: past
+    # SPILL, inside NARROW_SPILL (``fa3_splits.spill_band``).
+    (32, 1, [[4800, 2400] * 64, [4000, 2600] * 64, [2400, 4800] * 64], True),
 ]
 
 

@@ -9,11 +9,13 @@ few tiles then run as a second wave on a few SMs and the step takes up to twice 
 share (runs 145-146: FA3 at 0.62-0.75x FlashMLA on such batches).
 
 ``balanced_splits`` replans the batches FA3 spills: where FA3's own plan holds more work
-tiles than SMs but at most ``SPILL`` times as many, it picks one tile size for the whole
+tiles than SMs but at most ``SPILL`` times as many (``NARROW_SPILL`` for narrow query tiles
+over long requests, ``spill_band``), it picks one tile size for the whole
 batch, the one whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV
 tiles cut into ``ceil(n / size)`` equal splits). Outside that band more or fewer splits
 lost as often as they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one
-wave or more than 1.35: 0.80-1.09x FA3's own). The route writes the result over the
+wave or more than 1.35: 0.80-1.09x FA3's own; run 169, longest first: 0.76-0.98x past 1.5
+waves at any rows, and at 64-row tiles from 1.35). The route writes the result over the
 ``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel and FA3's
 combine read per request.
 """
@@ -31,6 +33,19 @@ QUERY_TILE_ROWS = 64
 #: FA3 plans this many times the SMs' work tiles at most for ``balanced_splits`` to replan:
 #: run 153 (seeds 101-104, the 29 bf16 shapes in the band) gained 1.09-1.51x on every one.
 SPILL = 1.35
+#: For query tiles of at most ``NARROW_TILE_ROWS`` rows (each split's partial output
+#: costs less) in batches whose requests average at least ``NARROW_MIN_MEAN_TILES`` KV
+#: tiles, the band reaches this far. Run 169 (batches longest first, the route's splits
+#: forced past the band): fitted on the grid and seeds 150-153, the 5 such shapes of
+#: 1.42-1.50 waves gained 1.08-1.33x (h32 b109 21.6k: 781 -> 589 us) where every one past
+#: 1.5 (1.71-2.57 waves) lost (0.76-0.92x) and so did 64-row tiles from 1.41 (0.89-0.98x).
+#: Checked on seeds 154-157 and on run 153's timings (caller's order, seeds 101-104): the
+#: two such shapes of 2.5k+ tokens gained 1.08x and 1.18x, one 1.12x; two of short requests
+#: lost (h8 b182 578 tokens q2 0.90x, h32 b93 936 r q3 0.76x), which the mean bound, set
+#: after those checks, leaves out (the shapes that gained average 4.2-18.5k tokens).
+NARROW_SPILL = 1.5
+NARROW_TILE_ROWS = 48
+NARROW_MIN_MEAN_TILES = 32
 #: FA3 reads per-request splits only for batches of at most this many requests
 #: (``use_dynamic_split`` in ``hopper/flash_api.cpp``); ``SPILL`` keeps far below it.
 DYNAMIC_SPLIT_MAX_BATCH = 992
@@ -55,6 +70,20 @@ def fa3_splits(kv_tiles: np.ndarray, query_tiles: int, cap: int, sms: int) -> np
     """FA3's own splits per request (its formula above) for ``kv_tiles`` ``[batch]``."""
     per_split = max(1, math.ceil(int(kv_tiles.sum()) * query_tiles * FA3_SPLIT_MARGIN / sms))
     return np.minimum(np.maximum(-(-kv_tiles // per_split), 1), cap)
+
+
+def widest_band(rows_per_tile: float) -> float:
+    """The band ``spill_band`` can give query tiles of ``rows_per_tile`` rows, any lengths."""
+    return NARROW_SPILL if rows_per_tile <= NARROW_TILE_ROWS else SPILL
+
+
+def spill_band(rows_per_tile: float, kv_tiles: np.ndarray) -> float:
+    """The band's upper bound, in waves of FA3's own plan, for a batch of ``kv_tiles``
+    ``[batch]`` at ``rows_per_tile`` query rows a tile (``NARROW_SPILL`` or ``SPILL``)."""
+    if (rows_per_tile <= NARROW_TILE_ROWS
+            and int(kv_tiles.sum()) >= NARROW_MIN_MEAN_TILES * kv_tiles.shape[0]):
+        return NARROW_SPILL
+    return SPILL
 
 
 def may_spill(query_tiles_in_batch: int, sms: int, spill: float = SPILL) -> bool:
@@ -83,11 +112,11 @@ def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, s
 
 def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms: int,
                     rows_per_tile: float, fa3_cap: int | None = None,
-                    spill: float = SPILL) -> np.ndarray | None:
+                    spill: float | None = None) -> np.ndarray | None:
     """Splits per request (int32 ``[batch]``, each in ``1..max_splits`` and at most the
     request's KV tiles) that fill FA3's grid of ``sms`` CTAs better than FA3's own plan,
-    or ``None`` to keep FA3's (outside the band ``SPILL`` names, or where no size is
-    expected to be faster).
+    or ``None`` to keep FA3's (outside the band ``spill_band`` gives, or where no size
+    is expected to be faster).
 
     Args:
         kv_tiles: ``[batch]`` int64, each request's 64-token KV tiles (0 for empty slots).
@@ -96,8 +125,11 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
         sms: FA3's grid (one CTA per SM).
         rows_per_tile: query rows per query tile (prices a split's partial output).
         fa3_cap: the cap FA3 plans its own splits with (default ``max_splits``).
-        spill: the band's upper bound, in waves of FA3's own plan.
+        spill: the band's upper bound, in waves of FA3's own plan, instead of
+            ``spill_band``'s (benchmarks time other bands).
     """
+    if spill is None:
+        spill = spill_band(rows_per_tile, kv_tiles)
     if (kv_tiles.shape[0] > DYNAMIC_SPLIT_MAX_BATCH
             or not may_spill(query_tiles * kv_tiles.shape[0], sms, spill)):
         return None

@@ -224,7 +224,7 @@ class VllmFA3MLARoute(DecodeRoute):
         #: FA3's own (False), instead of the route's rule (``None``).
         self.balanced_splits_override: bool | None = None
         #: Benchmarks: the band of FA3 plans ``balanced_splits`` replans, in waves, instead
-        #: of ``fa3_splits.SPILL`` (``math.inf``: every plan past one wave).
+        #: of ``fa3_splits.spill_band``'s (``math.inf``: every plan past one wave).
         self.spill_override: float | None = None
         #: Benchmarks: launch with the requests in length order (True) or as given (False)
         #: instead of ``policy.vllm_fa3_length_order``.
@@ -289,15 +289,17 @@ class VllmFA3MLARoute(DecodeRoute):
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
-        spill = fa3_splits.SPILL if self.spill_override is None else self.spill_override
         tiles = policy.query_tiles(self.spec, batch.max_q_len)
+        rows_per_tile = policy.query_tile_rows(self.spec, batch.max_q_len)
+        spill = self.spill_override
+        widest = fa3_splits.widest_band(rows_per_tile) if spill is None else spill
         if (not wanted or self._planned_splits < 2 or lens_host is None
-                or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms, spill)):
+                or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms, widest)):
             return None
         lens = lens_host.astype(np.int64)
         return fa3_splits.balanced_splits(
             -(-lens // policy.FA3_KV_TILE), tiles, self._reserved_splits, self._sms,
-            policy.query_tile_rows(self.spec, batch.max_q_len), self._planned_splits, spill)
+            rows_per_tile, self._planned_splits, spill)
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
         """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3

@@ -180,6 +180,13 @@ def case_lengths(kind: str, ctx: int, b: int, q_len: int, g: torch.Generator) ->
     return torch.randint(low, ctx + 1, (b,), generator=g).tolist()
 
 
+def shape_name(shape: tuple) -> str:
+    """The ``shape`` column of a shape's rows, e.g. ``h16 b64 4k r q1 bf16 p64``."""
+    heads, b, ctx, kind, m, kvd, block = shape
+    size = f"{ctx // K}k" if ctx % K == 0 else str(ctx)
+    return f"h{heads} b{b} {size} {kind} q{m} {kvd} p{block}"
+
+
 def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
     heads, b, ctx, kind, m, kvd, block = shape
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -205,9 +212,7 @@ def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
     lens_host = torch.tensor(lens, dtype=torch.int32)
     batch = DecodeBatch(table.to(device), lens_host.to(device), max_seq_len=max(lens),
                         max_q_len=m, kv_tokens=sum(lens), seq_lens_host=lens_host)
-    size = f"{ctx // K}k" if ctx % K == 0 else str(ctx)
-    name = f"h{heads} b{b} {size} {kind} q{m} {kvd} p{block}"
-    case = Case(name, spec, batch, query, caches, lens, m)
+    case = Case(shape_name(shape), spec, batch, query, caches, lens, m)
     case.info["with_fa2"] = shape in FA2_SHAPES
     return case
 

@@ -943,3 +943,57 @@ def test_an_unknown_route_variant_is_refused_with_the_known_ones():
     for (route, _), settings in decode_kernels.ROUTE_VARIANTS.items():
         init = inspect.getsource(ROUTES[route].__init__)
         assert all(f"self.{name}:" in init or f"self.{name} =" in init for name in settings)
+
+
+def test_spill_band_replay_swaps_in_the_variant_only_where_the_band_now_replans(tmp_path):
+    """``spill_band_replay``: a 32-row batch at 1.45 waves of FA3's plan (inside
+    ``NARROW_SPILL``) scores the decoder with the variant's time; a 64-row one at the same
+    waves (past ``SPILL``, not narrow) keeps the decoder's; each past-band shape is listed
+    with the variant over the median of its own-plan timings."""
+    import spill_band_replay
+
+    head = "pass_no,shape,heads,batch,q_len,block,kv,kernel,status,us\n"
+    lens = [4800, 2400] * 64
+    rows = []
+    for shape, heads, batch in (("n bf16 p64", 32, 128), ("w bf16 p64", 128, 64)):
+        for kernel, us in (("plugin-graph[vllm-fa3-mla]", 100.0), ("vllm-fa3-mla", 104.0),
+                           ("vllm-fa3-mla-own", 98.0), ("route:vllm-fa3-mla:balanced", 80.0),
+                           ("peer:vllm-fa3-mla", 110.0), ("peer:vllm-flashmla", 90.0)):
+            rows.append(f"1,{shape},{heads},{batch},1,64,bf16,{kernel},ok,{us}\n")
+    (tmp_path / "random-1.csv").write_text(head + "".join(rows))
+    shapes = tmp_path / "shapes.jsonl"
+    shapes.write_text(json.dumps({"shape": "n bf16 p64", "lens": lens}) + "\n"
+                      + json.dumps({"shape": "w bf16 p64", "lens": lens[:64]}) + "\n")
+    plans = spill_band_replay.fa3_plans({"heads": 32, "batch": 128, "q_len": 1, "block": 64},
+                                        lens)
+    assert plans["past"] and plans["now"] and 1.35 < plans["waves"] <= 1.5
+    wide = spill_band_replay.fa3_plans({"heads": 128, "batch": 64, "q_len": 1, "block": 64},
+                                       lens[:64])
+    assert wide["past"] and not wide["now"] and wide["waves"] > 1.35
+    out = io.StringIO()
+    with redirect_stdout(out):
+        spill_band_replay.main(str(shapes), str(tmp_path / "random-1.csv"))
+    text = out.getvalue()
+    listed = {line.split()[-3]: line.split()[:5] for line in text.splitlines()
+              if line.endswith(" bf16 p64")}
+    assert listed["n"] == ["1.250", "1.45", "32", "3600", "replans"]
+    assert listed["w"][0] == "1.250" and listed["w"][4] == "-"
+    # Timed: 90/100 twice; band now: 90/80 for the narrow shape, 90/100 for the wide one.
+    assert "random timed: 2 shapes, geomean 0.9000, worst 0.900" in text
+    assert f"random band now: 2 shapes, geomean {math.sqrt(0.9 * 90 / 80):.4f}" in text
+
+
+def test_spill_band_replay_draws_again_the_lengths_a_run_timed():
+    """``spill_band_replay seeds``: the lengths drawn again for run 153's random set 101 sum
+    to each shape's ``kv_tokens`` and peak at its ``max_len``, as the run wrote them."""
+    import csv
+
+    import spill_band_replay
+
+    path = Path(__file__).resolve().parents[1] / "docs/bench-2026-12-03/run153-graph-random-101.csv"
+    lens = spill_band_replay.seed_lengths([str(path)])
+    with open(path, newline="") as f:
+        rows = {r["shape"]: r for r in csv.DictReader(f) if r["kv"] == "bf16"}
+    assert rows and set(rows) <= set(lens)
+    for shape, r in rows.items():
+        assert (sum(lens[shape]), max(lens[shape])) == (int(r["kv_tokens"]), int(r["max_len"]))

@@ -37,12 +37,12 @@ SPILL = 1.35
 #: costs less) in batches whose requests average at least ``NARROW_MIN_MEAN_TILES`` KV
 #: tiles, the band reaches this far. Run 169 (batches longest first, the route's splits
 #: forced past the band): fitted on the grid and seeds 150-153, the 5 such shapes of
-#: 1.42-1.50 waves gained 1.08-1.33x (h32 b109 21.6k: 781 -> 589 us) where every one past
-#: 1.5 (1.71-2.57 waves) lost (0.76-0.92x) and so did 64-row tiles from 1.41 (0.89-0.98x).
-#: Checked on seeds 154-157 and on run 153's timings (caller's order, seeds 101-104): the
-#: two such shapes of 2.5k+ tokens gained 1.08x and 1.18x, one 1.12x; two of short requests
-#: lost (h8 b182 578 tokens q2 0.90x, h32 b93 936 r q3 0.76x), which the mean bound, set
-#: after those checks, leaves out (the shapes that gained average 4.2-18.5k tokens).
+#: 1.42-1.50 waves gained 1.08-1.33x (h32 b109 21.6k: 781 -> 589 us), while past 1.5
+#: (1.65-2.57 waves) four of five lost (0.76-0.92x, the fifth 1.02x) and every 64-row one
+#: from 1.41 waves lost (0.85-0.98x). Checked on seeds 154-157 and on run 153's timings
+#: (seeds 101-104, caller's order): the three such shapes of 7k+ tokens gained 1.08x,
+#: 1.12x and 1.18x; one of short requests lost (h8 b182 578 tokens q2, 0.90x), which the
+#: mean bound, set after that check, leaves out (the shapes that gained: 4.2-18.5k tokens).
 NARROW_SPILL = 1.5
 NARROW_TILE_ROWS = 48
 NARROW_MIN_MEAN_TILES = 32

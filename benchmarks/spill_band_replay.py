@@ -1,0 +1,150 @@
+"""FA3's splits past the band, and the band the route uses now, scored without a GPU.
+
+``python benchmarks/spill_band_replay.py [--variant ROW] [--caller-order] SHAPES FILE.csv ...``
+reads bench_decode.py output timed with ``--extra-routes vllm-fa3-mla:balanced`` (the
+route's ``balanced_splits`` plan on every step FA3's formula spills past one wave; ``--variant
+vllm-fa3-mla-balanced --caller-order`` for run 153's row of that plan, which launched every
+batch in the caller's order) and prints:
+
+* per shape past ``fa3_splits.SPILL`` (where the variant's plan differs from the route's of
+  the same run), the variant's time over FA3's own plan, the baseline being the median of
+  the timings of that plan (the route forced, ``vllm-fa3-mla-own`` and the CUDA-graph
+  decoder where it ran ``vllm-fa3-mla``), with the waves of FA3's plan, rows per query tile
+  and the requests' mean length; and whether this checkout's band (``fa3_splits.spill_band``)
+  replans it;
+* the CUDA-graph decoder against the faster of vLLM's two calls per shape (``--measured``
+  of ``evaluate_policy.py``), as timed and with this checkout's band replayed: the
+  variant's time where the band now replans a shape the decoder ran on ``vllm-fa3-mla``.
+
+Lengths come from ``SHAPES``, a ``shapes.jsonl`` (bench_decode.py writes every shape's since
+run 158), or ``seeds`` for files named ``...random-SEED.csv``: drawn again as bench_decode.py
+draws them (``random_set``, ``case_lengths``). Batches of at least
+``policy.VLLM_FA3_LENGTH_ORDER_MIN_BATCH`` requests are planned longest first, as the route
+launches them (``--caller-order``: every batch as given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+
+import bench_decode
+import numpy as np
+import torch
+from evaluate_policy import summary, timed_rows
+
+from trtllm_mla_plugin.ops import DecodeSpec, fa3_splits, policy
+from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import GRAPH_MAX_SPLITS, graph_split_reserve
+
+VARIANT = "route:vllm-fa3-mla:balanced"
+DECODER_ON_FA3 = "plugin-graph[vllm-fa3-mla]"
+
+
+#: Shapes drawn per seed when lengths are drawn again: more than any run used; the draw's
+#: first shapes do not depend on the count.
+SEED_DRAW = 64
+
+
+def seed_lengths(paths: list[str]) -> dict[str, list[int]]:
+    """Every bf16 shape's lengths for the random-set files among ``paths``, drawn again."""
+    lens = {}
+    for path in paths:
+        found = re.search(r"random-(\d+)\.csv$", path)
+        if found is None:
+            continue
+        for case_seed, shape in bench_decode.random_set(int(found.group(1)), SEED_DRAW,
+                                                        keep=bench_decode.BF):
+            _, b, ctx, kind, m, _, _ = shape
+            g = torch.Generator(device="cpu").manual_seed(case_seed)
+            lens[bench_decode.shape_name(shape)] = bench_decode.case_lengths(kind, ctx, b, m, g)
+    return lens
+
+
+def fa3_plans(row: dict, lens: list[int], caller_order: bool = False) -> dict:
+    """FA3's own plan of a bf16 shape as the route makes it under CUDA graphs, and which
+    bands replan it: ``waves`` (FA3's work tiles over SMs), ``rows`` (per query tile),
+    ``mean`` (tokens), ``past`` (replanned with no upper bound but not within ``SPILL``)
+    and ``now`` (replanned by this checkout's ``spill_band``)."""
+    heads, b, q = int(row["heads"]), int(row["batch"]), int(row["q_len"])
+    spec = DecodeSpec(heads, 512, 64, int(row["block"]), torch.bfloat16, torch.bfloat16,
+                      0.1, q)
+    order = np.array(lens, dtype=np.int64)
+    if policy.vllm_fa3_length_order(b) and not caller_order:
+        order = -np.sort(-order)
+    reserved = graph_split_reserve(heads, b * q)
+    planned = (reserved if policy.vllm_fa3_wide_splits(spec, q, int(order.max()))
+               else min(reserved, GRAPH_MAX_SPLITS))
+    tiles, rows = policy.query_tiles(spec, q), policy.query_tile_rows(spec, q)
+    kv_tiles = np.maximum(-(-order // policy.FA3_KV_TILE), 1)
+
+    def replans(spill: float | None) -> bool:
+        return fa3_splits.balanced_splits(kv_tiles, tiles, reserved, policy.HOPPER_SMS, rows,
+                                          planned, spill) is not None
+
+    own = fa3_splits.fa3_splits(kv_tiles, tiles, planned, policy.HOPPER_SMS)
+    return dict(waves=tiles * int(own.sum()) / policy.HOPPER_SMS, rows=rows,
+                mean=float(order.mean()),
+                past=replans(math.inf) and not replans(fa3_splits.SPILL),
+                now=replans(None) and not replans(fa3_splits.SPILL))
+
+
+def own_plan_us(ks: dict[str, dict]) -> float:
+    """Median of the timings of FA3's own plan (shapes past ``SPILL``: the route forced,
+    the route with its splits off, the decoder where it ran the route)."""
+    names = ["vllm-fa3-mla", "vllm-fa3-mla-own", DECODER_ON_FA3]
+    return statistics.median(float(ks[n]["us"]) for n in names if n in ks)
+
+
+def main(*argv: str) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shapes", help="shapes.jsonl, or 'seeds' to draw random sets' lengths")
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--variant", default=VARIANT, help="the row of the route's own splits")
+    ap.add_argument("--caller-order", action="store_true",
+                    help="FA3 planned every batch in the caller's order (runs before 158)")
+    args = ap.parse_args(argv)
+    variant, paths = args.variant, args.files
+    if args.shapes == "seeds":
+        lens = seed_lengths(paths)
+    else:
+        with open(args.shapes) as f:
+            lens = {(s := json.loads(line))["shape"]: s["lens"] for line in f}
+    before: dict[str, list[float]] = {"random": [], "grid": []}
+    after: dict[str, list[float]] = {"random": [], "grid": []}
+    print("variant/own  waves  rows/tile  mean tokens  band now  shape")
+    for path in paths:
+        kind = "grid" if "grid" in path.rsplit("/", 1)[-1] else "random"
+        for shape, ks in timed_rows(path).items():
+            if " bf16 " not in shape or variant not in ks:
+                continue
+            plans = fa3_plans(ks[variant], lens[shape], args.caller_order)
+            variant_us = float(ks[variant]["us"])
+            if plans["past"]:
+                print(f"{own_plan_us(ks) / variant_us:11.3f}  {plans['waves']:5.2f}  "
+                      f"{plans['rows']:9.0f}  {plans['mean']:11.0f}  "
+                      f"{'replans' if plans['now'] else '-':8s}  {shape}")
+            decoder = next((n for n in ks if n.startswith("plugin-graph")), None)
+            peers = [float(ks[n]["us"]) for n in ("peer:vllm-fa3-mla", "peer:vllm-flashmla")
+                     if n in ks]
+            if decoder is None or not peers:
+                continue
+            us = float(ks[decoder]["us"])
+            before[kind].append(min(peers) / us)
+            now_us = variant_us if plans["now"] and decoder == DECODER_ON_FA3 else us
+            after[kind].append(min(peers) / now_us)
+    for kind in ("random", "grid"):
+        if before[kind]:
+            for label, rs in (("timed", before[kind]), ("band now", after[kind])):
+                gm, worst, n = summary(rs)
+                print(f"{kind} {label}: {n} shapes, geomean {gm:.4f}, worst {worst:.3f}, "
+                      f"under 0.95: {sum(r < 0.95 for r in rs)}, "
+                      f"under 0.98: {sum(r < 0.98 for r in rs)}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(*sys.argv[1:])

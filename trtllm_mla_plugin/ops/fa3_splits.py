@@ -10,14 +10,14 @@ share (runs 145-146: FA3 at 0.62-0.75x FlashMLA on such batches).
 
 ``balanced_splits`` replans the batches FA3 spills: where FA3's own plan holds more work
 tiles than SMs but at most ``SPILL`` times as many (``NARROW_SPILL`` for narrow query tiles
-over long requests, ``spill_band``), it picks one tile size for the whole
-batch, the one whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV
-tiles cut into ``ceil(n / size)`` equal splits). Outside that band more or fewer splits
-lost as often as they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one
-wave or more than 1.35: 0.80-1.09x FA3's own; run 169, longest first: 0.76-0.98x past 1.5
-waves at any rows, and at 64-row tiles from 1.35). The route writes the result over the
-``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel and FA3's
-combine read per request.
+over long requests: ``spill_band``), it picks one tile size for the whole batch, the one
+whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV tiles cut into
+``ceil(n / size)`` equal splits). Outside that band more or fewer splits lost as often as
+they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one wave or more than
+1.35: 0.80-1.09x FA3's own; run 169, longest first: slower on 4 of 5 shapes of <= 48-row
+tiles past 1.5 waves and on 18 of 19 of 64-row tiles past 1.35). The route writes the
+result over the ``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel
+and FA3's combine read per request.
 """
 
 from __future__ import annotations
@@ -88,12 +88,12 @@ def spill_band(rows_per_tile: float, kv_tiles: np.ndarray) -> float:
 
 def may_spill(query_tiles_in_batch: int, sms: int, spill: float = SPILL) -> bool:
     """Whether FA3's plan of a batch with this many query tiles (requests x query tiles per
-    request) can land in ``balanced_splits``' band, before looking at any length. Every
-    request has at least one split, so a batch of more than ``SPILL x sms`` query tiles
-    starts past the band; and FA3's plan holds fewer than ``sms / 1.1`` tiles plus one per
-    query tile (``ceil(x) < x + 1`` over its splits of ``1.1 W / sms`` KV tiles), so it
-    stays within one wave unless the batch has more than ``sms / 11`` query tiles.
-    ``spill``: the band's upper bound, in waves (benchmarks time other bands)."""
+    request) can land in ``balanced_splits``' band of ``spill`` waves, before looking at
+    any length. Every request has at least one split, so a batch of more than ``spill x
+    sms`` query tiles starts past the band; and FA3's plan holds fewer than ``sms / 1.1``
+    tiles plus one per query tile (``ceil(x) < x + 1`` over its splits of ``1.1 W / sms``
+    KV tiles), so it stays within one wave unless the batch has more than ``sms / 11``
+    query tiles."""
     return sms * (1 - 1 / FA3_SPLIT_MARGIN) < query_tiles_in_batch <= spill * sms
 
 

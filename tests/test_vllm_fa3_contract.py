@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import sys
 import types
 from dataclasses import replace
@@ -432,3 +433,31 @@ def test_graph_plan_takes_the_narrow_tile_band_longest_first(monkeypatch):
         route.plan(batch)
         assert route._reserved_splits == GRAPH_MAX_SPLITS
         assert route._scheduler[at: at + 128].tolist() == expect
+
+
+def test_the_balanced_benchmark_variant_replans_past_every_band(monkeypatch):
+    """``bench_decode --extra-routes vllm-fa3-mla:balanced`` sets ``ROUTE_VARIANTS``' settings
+    on the route: a 64-row batch FA3 plans at 1.42 waves (past ``SPILL``, and no narrow
+    tile) then gets ``balanced_splits``' plan, where the route's own rule keeps FA3's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import decode_kernels
+
+    fake = FakeFA3(metadata_len=1 + 3 * 188)
+    monkeypatch.setitem(sys.modules, FA3_MODULE, fake)
+    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
+    lens = [6400] * 188
+    batch = replace(batch_of(lens), seq_lens_host=torch.tensor(lens, dtype=torch.int32))
+    tiles = np.full(188, 100)
+    assert fa3_splits.fa3_splits(tiles, 1, GRAPH_MAX_SPLITS, policy.HOPPER_SMS).sum() == 188
+    want = fa3_splits.balanced_splits(tiles, 1, GRAPH_MAX_SPLITS, policy.HOPPER_SMS, 64,
+                                      GRAPH_MAX_SPLITS, spill=math.inf)
+    assert want is not None
+    at = vllm_fa3_mla.fa3_splits_offset(188)
+    settings = decode_kernels.ROUTE_VARIANTS["vllm-fa3-mla", "balanced"]
+    for variant, expect in ((False, [1] * 188), (True, want.tolist())):
+        route = VllmFA3MLARoute(spec(heads=64), torch.device("cpu"), max_batch_size=188,
+                                cuda_graph=True)
+        for name, value in (settings.items() if variant else ()):
+            setattr(route, name, value)
+        route.plan(batch)
+        assert route._scheduler[at: at + 188].tolist() == expect

@@ -84,9 +84,11 @@ def test_narrow_tiles_over_long_requests_take_the_wider_band():
     short = np.full(187, fa3_splits.NARROW_MIN_MEAN_TILES - 1)
     assert fa3_splits.fa3_splits(short, 1, 32, SMS).sum() == 187
     assert fa3_splits.balanced_splits(short, 1, 32, SMS, 32) is None
-    # 48 rows still narrow, 64 not.
+    # 48 rows a request still narrow, 64 not, nor two tiles of 48 on average (96 rows).
     assert fa3_splits.spill_band(48, kv_tiles) == fa3_splits.NARROW_SPILL
     assert fa3_splits.spill_band(64, kv_tiles) == fa3_splits.SPILL
+    assert fa3_splits.balanced_splits(np.full(94, 200), 2, 32, SMS, 48) is None
+    assert fa3_splits.fa3_splits(np.full(94, 200), 2, 32, SMS).sum() * 2 == 188
     # Past NARROW_SPILL (210 requests: 1.59 waves): FA3's plan kept.
     assert fa3_splits.balanced_splits(np.full(210, 200), 1, 32, SMS, 32) is None
 

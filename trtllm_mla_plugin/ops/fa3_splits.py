@@ -9,13 +9,13 @@ few tiles then run as a second wave on a few SMs and the step takes up to twice 
 share (runs 145-146: FA3 at 0.62-0.75x FlashMLA on such batches).
 
 ``balanced_splits`` replans the batches FA3 spills: where FA3's own plan holds more work
-tiles than SMs but at most ``SPILL`` times as many (``NARROW_SPILL`` for narrow query tiles
-over long requests: ``spill_band``), it picks one tile size for the whole batch, the one
+tiles than SMs but at most ``SPILL`` times as many (``NARROW_SPILL`` for requests of few
+query rows over long contexts: ``spill_band``), it picks one tile size for the whole batch, the one
 whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV tiles cut into
 ``ceil(n / size)`` equal splits). Outside that band more or fewer splits lost as often as
 they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one wave or more than
-1.35: 0.80-1.09x FA3's own; run 169, longest first: slower on 4 of 5 shapes of <= 48-row
-tiles past 1.5 waves and on 18 of 19 of 64-row tiles past 1.35). The route writes the
+1.35: 0.80-1.09x FA3's own; run 169, longest first: slower on 4 of 5 shapes of <= 48 query
+rows past 1.5 waves and on 18 of 19 of 64-row tiles past 1.35). The route writes the
 result over the ``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel
 and FA3's combine read per request.
 """
@@ -33,9 +33,11 @@ QUERY_TILE_ROWS = 64
 #: FA3 plans this many times the SMs' work tiles at most for ``balanced_splits`` to replan:
 #: run 153 (seeds 101-104, the 29 bf16 shapes in the band) gained 1.09-1.51x on every one.
 SPILL = 1.35
-#: For query tiles of at most ``NARROW_TILE_ROWS`` rows (each split's partial output
-#: costs less) in batches whose requests average at least ``NARROW_MIN_MEAN_TILES`` KV
-#: tiles, the band reaches this far. Run 169 (batches longest first, the route's splits
+#: For requests of at most ``NARROW_REQUEST_ROWS`` query rows (one query tile, partly
+#: filled: each split's partial output costs less) in batches whose requests average at
+#: least ``NARROW_MIN_MEAN_TILES`` KV tiles, the band reaches this far (every shape it was
+#: fitted and checked on had one such tile; two tiles of 48 rows on average, 32 heads x 3
+#: tokens, keep ``SPILL``). Run 169 (batches longest first, the route's splits
 #: forced past the band): fitted on the grid and seeds 150-153, the 5 such shapes of
 #: 1.42-1.50 waves gained 1.08-1.33x (h32 b109 21.6k: 781 -> 589 us), while past 1.5
 #: (1.65-2.57 waves) four of five lost (0.76-0.92x, the fifth 1.02x) and every 64-row one
@@ -44,7 +46,7 @@ SPILL = 1.35
 #: 1.12x and 1.18x; one of short requests lost (h8 b182 578 tokens q2, 0.90x), which the
 #: mean bound, set after that check, leaves out (the shapes that gained: 4.2-18.5k tokens).
 NARROW_SPILL = 1.5
-NARROW_TILE_ROWS = 48
+NARROW_REQUEST_ROWS = 48
 NARROW_MIN_MEAN_TILES = 32
 #: FA3 reads per-request splits only for batches of at most this many requests
 #: (``use_dynamic_split`` in ``hopper/flash_api.cpp``); ``SPILL`` keeps far below it.
@@ -72,15 +74,17 @@ def fa3_splits(kv_tiles: np.ndarray, query_tiles: int, cap: int, sms: int) -> np
     return np.minimum(np.maximum(-(-kv_tiles // per_split), 1), cap)
 
 
-def widest_band(rows_per_tile: float) -> float:
-    """The band ``spill_band`` can give query tiles of ``rows_per_tile`` rows, any lengths."""
-    return NARROW_SPILL if rows_per_tile <= NARROW_TILE_ROWS else SPILL
+def widest_band(request_rows: int) -> float:
+    """The band ``spill_band`` can give requests of ``request_rows`` query rows (heads x
+    query tokens), whatever their lengths."""
+    return NARROW_SPILL if request_rows <= NARROW_REQUEST_ROWS else SPILL
 
 
-def spill_band(rows_per_tile: float, kv_tiles: np.ndarray) -> float:
+def spill_band(request_rows: int, kv_tiles: np.ndarray) -> float:
     """The band's upper bound, in waves of FA3's own plan, for a batch of ``kv_tiles``
-    ``[batch]`` at ``rows_per_tile`` query rows a tile (``NARROW_SPILL`` or ``SPILL``)."""
-    if (rows_per_tile <= NARROW_TILE_ROWS
+    ``[batch]`` with ``request_rows`` query rows a request (``NARROW_SPILL`` or
+    ``SPILL``)."""
+    if (request_rows <= NARROW_REQUEST_ROWS
             and int(kv_tiles.sum()) >= NARROW_MIN_MEAN_TILES * kv_tiles.shape[0]):
         return NARROW_SPILL
     return SPILL
@@ -129,7 +133,7 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
             ``spill_band``'s (benchmarks time other bands).
     """
     if spill is None:
-        spill = spill_band(rows_per_tile, kv_tiles)
+        spill = spill_band(round(query_tiles * rows_per_tile), kv_tiles)
     if (kv_tiles.shape[0] > DYNAMIC_SPLIT_MAX_BATCH
             or not may_spill(query_tiles * kv_tiles.shape[0], sms, spill)):
         return None

@@ -292,7 +292,8 @@ class VllmFA3MLARoute(DecodeRoute):
         tiles = policy.query_tiles(self.spec, batch.max_q_len)
         rows_per_tile = policy.query_tile_rows(self.spec, batch.max_q_len)
         spill = self.spill_override
-        widest = fa3_splits.widest_band(rows_per_tile) if spill is None else spill
+        widest = (fa3_splits.widest_band(self.spec.num_heads * batch.max_q_len)
+                  if spill is None else spill)
         if (not wanted or self._planned_splits < 2 or lens_host is None
                 or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms, widest)):
             return None

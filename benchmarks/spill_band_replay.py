@@ -34,13 +34,13 @@ import statistics
 import bench_decode
 import numpy as np
 import torch
-from evaluate_policy import summary, timed_rows
+from evaluate_policy import GRAPH_ROW, ratios, summary, timed_rows
 
-from trtllm_mla_plugin.ops import DecodeSpec, fa3_splits, policy
-from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import GRAPH_MAX_SPLITS, graph_split_reserve
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits, policy
+from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_splits
 
 VARIANT = "route:vllm-fa3-mla:balanced"
-DECODER_ON_FA3 = "plugin-graph[vllm-fa3-mla]"
+DECODER_ON_FA3 = f"{GRAPH_ROW}[vllm-fa3-mla]"
 
 
 #: Shapes drawn per seed when lengths are drawn again: more than any run used; the draw's
@@ -74,9 +74,11 @@ def fa3_plans(row: dict, lens: list[int], caller_order: bool = False) -> dict:
     order = np.array(lens, dtype=np.int64)
     if policy.vllm_fa3_length_order(b) and not caller_order:
         order = -np.sort(-order)
-    reserved = graph_split_reserve(heads, b * q)
-    planned = (reserved if policy.vllm_fa3_wide_splits(spec, q, int(order.max()))
-               else min(reserved, GRAPH_MAX_SPLITS))
+    host = torch.from_numpy(order.astype(np.int32))
+    batch = DecodeBatch(torch.zeros(b, 1, dtype=torch.int32), host, int(order.max()),
+                        max_q_len=q, num_tokens=b * q, kv_tokens=int(order.sum()),
+                        seq_lens_host=host)
+    reserved, planned = graph_splits(spec, batch, policy.HOPPER_SMS)
     tiles, rows = policy.query_tiles(spec, q), policy.query_tile_rows(spec, q)
     kv_tiles = np.maximum(-(-order // policy.FA3_KV_TILE), 1)
 
@@ -114,27 +116,29 @@ def main(*argv: str) -> None:
             lens = {(s := json.loads(line))["shape"]: s["lens"] for line in f}
     before: dict[str, list[float]] = {"random": [], "grid": []}
     after: dict[str, list[float]] = {"random": [], "grid": []}
+    plans: dict[str, dict] = {}
     print("variant/own  waves  rows/tile  mean tokens  band now  shape")
     for path in paths:
         kind = "grid" if "grid" in path.rsplit("/", 1)[-1] else "random"
-        for shape, ks in timed_rows(path).items():
+        rows = timed_rows(path)
+        for shape, ks in rows.items():
             if " bf16 " not in shape or variant not in ks:
                 continue
-            plans = fa3_plans(ks[variant], lens[shape], args.caller_order)
-            variant_us = float(ks[variant]["us"])
-            if plans["past"]:
-                print(f"{own_plan_us(ks) / variant_us:11.3f}  {plans['waves']:5.2f}  "
-                      f"{plans['rows']:9.0f}  {plans['mean']:11.0f}  "
-                      f"{'replans' if plans['now'] else '-':8s}  {shape}")
-            decoder = next((n for n in ks if n.startswith("plugin-graph")), None)
-            peers = [float(ks[n]["us"]) for n in ("peer:vllm-fa3-mla", "peer:vllm-flashmla")
-                     if n in ks]
-            if decoder is None or not peers:
+            plans[shape] = fa3_plans(ks[variant], lens[shape], args.caller_order)
+            if plans[shape]["past"]:
+                p = plans[shape]
+                print(f"{own_plan_us(ks) / float(ks[variant]['us']):11.3f}  "
+                      f"{p['waves']:5.2f}  {p['rows']:9.0f}  {p['mean']:11.0f}  "
+                      f"{'replans' if p['now'] else '-':8s}  {shape}")
+        # The decoder against the faster of vLLM's two calls (``evaluate_policy --measured``),
+        # and with the variant's time where this checkout's band replans a shape on FA3.
+        for ratio, shape, decoder in ratios(path, lens, "measured", "peer:vllm", rows=rows):
+            if " bf16 " not in shape:
                 continue
-            us = float(ks[decoder]["us"])
-            before[kind].append(min(peers) / us)
-            now_us = variant_us if plans["now"] and decoder == DECODER_ON_FA3 else us
-            after[kind].append(min(peers) / now_us)
+            before[kind].append(ratio)
+            if decoder == DECODER_ON_FA3 and shape in plans and plans[shape]["now"]:
+                ratio *= float(rows[shape][decoder]["us"]) / float(rows[shape][variant]["us"])
+            after[kind].append(ratio)
     for kind in ("random", "grid"):
         if before[kind]:
             for label, rs in (("timed", before[kind]), ("band now", after[kind])):

@@ -118,6 +118,28 @@ def fa3_work_tiles(batch: DecodeBatch, query_tiles: int) -> int | None:
     return query_tiles * kv_tiles
 
 
+def graph_splits(spec: DecodeSpec, batch: DecodeBatch, sms: int) -> tuple[int, int]:
+    """(splits a captured launch reserves, cap the plan uses) for ``batch`` under CUDA
+    graphs: all it reserved for long requests at narrow query tiles
+    (``policy.vllm_fa3_wide_splits``), two KV tiles a split for busy batches of short
+    requests (``policy.vllm_fa3_halved_splits``), else vLLM's ``GRAPH_MAX_SPLITS``."""
+    reserved = graph_split_reserve(spec.num_heads, batch.num_tokens)
+    if policy.vllm_fa3_wide_splits(spec, batch.max_q_len, batch.max_seq_len):
+        return reserved, reserved
+    planned = min(reserved, GRAPH_MAX_SPLITS)
+    tiles = policy.query_tiles(spec, batch.max_q_len)
+    longest = -(-batch.max_seq_len // policy.FA3_KV_TILE)
+    # Every other request holds at least one KV tile: most batches are ruled out here,
+    # before the host lengths are counted.
+    if tiles * (longest + batch.batch_size - 1) * policy.FA3_SPLIT_MARGIN > sms:
+        return reserved, planned
+    work = fa3_work_tiles(batch, tiles)
+    if work is not None and policy.vllm_fa3_halved_splits(
+            spec, batch.max_q_len, batch.max_seq_len, work, sms):
+        planned = min(planned, max(2, -(-longest // 2)))
+    return reserved, planned
+
+
 class LengthOrder:
     """Persistent copies of a step's per-request tables in length order (longest first),
     for FA3 launches that read the batch in that order: FA3's persistent grid takes work
@@ -309,23 +331,10 @@ class VllmFA3MLARoute(DecodeRoute):
             return self.max_splits_override, self.max_splits_override
         if not self.cuda_graph:
             return 0, 0
-        reserved = graph_split_reserve(self.spec.num_heads, batch.num_tokens)
         if self.planned_splits_override is not None:
+            reserved = graph_split_reserve(self.spec.num_heads, batch.num_tokens)
             return reserved, min(reserved, self.planned_splits_override)
-        if policy.vllm_fa3_wide_splits(self.spec, batch.max_q_len, batch.max_seq_len):
-            return reserved, reserved
-        planned = min(reserved, GRAPH_MAX_SPLITS)
-        tiles = policy.query_tiles(self.spec, batch.max_q_len)
-        longest = -(-batch.max_seq_len // policy.FA3_KV_TILE)
-        # Every other request holds at least one KV tile: most batches are ruled out here,
-        # before the host lengths are counted.
-        if tiles * (longest + batch.batch_size - 1) * policy.FA3_SPLIT_MARGIN > self._sms:
-            return reserved, planned
-        work = fa3_work_tiles(batch, tiles)
-        if work is not None and policy.vllm_fa3_halved_splits(
-                self.spec, batch.max_q_len, batch.max_seq_len, work, self._sms):
-            planned = min(planned, max(2, -(-longest // 2)))
-        return reserved, planned
+        return graph_splits(self.spec, batch, self._sms)
 
     def run(
         self,

@@ -153,7 +153,8 @@ SPLITK_CASES = [
     (8, 32, BatchShape(128, 1), "vllm-fa3-mla"),  # 32-token pages: not measured
     (4, 64, BatchShape(128, 1), "vllm-fa3-mla"),  # 4 rows: not measured
     (16, 64, BatchShape(128, 2), "vllm-fa3-mla"),  # 32 rows: FA3, longest first
-    (16, 64, BatchShape(257, 2), "flashmla"),
+    (16, 64, BatchShape(257, 2), "vllm-fa3-mla"),  # <= 32 rows: to 1024 requests
+    (16, 64, BatchShape(1025, 2), "flashmla"),
 ]
 
 
@@ -462,23 +463,29 @@ def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
     (16, 4, 32),    # both bounds: 32 requests, 32 x 16 x 4 = 2048 rows
     (8, 2, 32),     # the request bound binds first (32 x 8 x 2 = 512 rows)
     (32, 3, 21),    # 21 x 96 = 2016 rows; 33-256 requests of 96 rows stay on FlashMLA
+    (8, 4, 32),     # 32 rows a request: FA3 up to 1024 requests
+    (32, 1, 32),
+    (16, 3, 32),    # 48 rows: FA3 up to 256 requests
 ])
 def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, heads, q_len,
                                                   largest_fa3_batch):
     """Speculative decoding under CUDA graphs: vLLM's FA3 MLA kernel takes batches of at
     most VLLM_FA3_GRAPH_MAX_BATCH requests and VLLM_FA3_GRAPH_MAX_ROWS query rows (h128 q4
     b5-b9 ran 1.4x faster on FlashMLA in run 23) and batches of 33-256 requests
-    (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``) but for requests of unevenly filled query tiles
-    (96 rows), FlashMLA the rest."""
-    dec, _ = stub_decoder(monkeypatch, heads=heads, cuda_graph=True, q_len=q_len)
-    for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 32, 33, 256, 257):
+    (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``; 1024 at up to 32 rows a request,
+    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH``) but for requests of unevenly filled query
+    tiles (96 rows), FlashMLA the rest."""
+    dec, _ = stub_decoder(monkeypatch, heads=heads, cuda_graph=True, q_len=q_len,
+                          max_batch=1025)
+    for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 32, 33, 256, 257, 1024, 1025):
         lens = torch.full((b,), 4 * K, dtype=torch.int32)
         dec.plan(DecodeBatch(torch.zeros(b, 512, dtype=torch.int32), lens, 4 * K,
                              max_q_len=q_len, num_tokens=b * q_len))
         # 33-256 requests: vLLM's FA3 again, the requests longest first, except for the
         # 8-16-row batches cuda-splitk takes where it is present (FlashMLA behind it).
         rows = heads * q_len
-        ordered = (33 <= b <= 256 and rows > policy.SPLITK_MAX_REQUEST_ROWS
+        ordered = (33 <= b <= (1024 if rows <= 32 else 256)
+                   and rows > policy.SPLITK_MAX_REQUEST_ROWS
                    and not (rows > 64 and rows % 64))
         expected = "vllm-fa3-mla" if b <= largest_fa3_batch or ordered else "flashmla"
         assert dec.route.name == expected, b

@@ -298,6 +298,9 @@ LENGTH_ORDER_CASES = [
     # 32-row tiles over requests of 2.4-4.8k tokens, 1.45 waves of FA3's own plan: past
     # SPILL, inside NARROW_SPILL (``fa3_splits.spill_band``).
     (32, 1, [[4800, 2400] * 64, [4000, 2600] * 64, [2400, 4800] * 64], True),
+    # 257-1024 requests of <= 32 query rows, which the graph rule gives this route
+    # (``policy.VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH``).
+    (8, 4, [[700] * 300, [2500, 300, 900] * 100], False),
 ]
 
 

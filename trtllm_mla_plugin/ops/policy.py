@@ -200,20 +200,6 @@ VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 #: shapes 1.011 -> 1.034 (replayed from the forced rows; bounds of 48-1024 requests and
 #: 2k-16k rows or none tried: 256 and none scored best, 512 and 1024 within 0.003).
 VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 256
-#: ... and to this many requests where a request has at most
-#: VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS query rows (one query tile, at most half filled; the
-#: 8-16-row specs of ``splitk_candidate`` keep their kernel). Fit (runs 155, 156, 158, 164:
-#: the 12 such shapes of 257-1024 requests, replayed from the route's forced rows): 8 faster
-#: (0.84-0.94 -> 1.00-1.03 of the faster of vLLM's two calls on the four worst), 4 slower
-#: (h32 b457 382 tokens 1.022 -> 0.890, h32 b309 5.3k 1.004 -> 0.925, two by 1.5-2%),
-#: geomean over all 768 shapes 1.0073 -> 1.0078. Check (runs 169 and 177, not used to
-#: fit): the 4 such shapes all faster (h8 b435 643 tokens q4 0.685 -> 1.001, h32 b313 282
-#: 0.834 -> 0.997), geomean over 386 shapes 0.9980 -> 0.9999. At 48 rows FlashMLA stays:
-#: FA3 in the caller's order was faster on 4 of 10 such timings (runs 119-177). FA3 reads
-#: per-request splits up to 992 requests (``fa3_splits.DYNAMIC_SPLIT_MAX_BATCH``); past that
-#: it keeps its own plan.
-VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
-VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 #: ... except where a request's query rows fill its 64-row tiles unevenly
 #: (``uneven_query_tiles``: more than one tile, the last partly filled; of 8-128 heads at
 #: 1-4 query tokens only 32 heads x 3 tokens = 96 rows; head counts that are no power of
@@ -225,6 +211,21 @@ VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 #: run 158's fresh seeds 134-141: 1.014 -> 1.018 of the faster of vLLM's two calls, worst
 #: 0.609 -> 0.615 (docs/benchmarks.md, "96 query rows per request back on FlashMLA").
 VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
+#: Requests of at most VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS query rows (one query tile, at
+#: most half filled; the 8-16-row specs of ``splitk_candidate`` keep their kernel) go to
+#: vLLM's FA3 kernel, longest first, in batches of up to this many requests instead of
+#: VLLM_FA3_GRAPH_ORDERED_MAX_BATCH. Fit (runs 155, 156, 158, 164:
+#: the 12 such shapes of 257-1024 requests, replayed from the route's forced rows): 8 faster
+#: (0.84-0.94 -> 1.00-1.03 of the faster of vLLM's two calls on the four worst), 4 slower
+#: (h32 b457 382 tokens 1.022 -> 0.890, h32 b309 5.3k 1.004 -> 0.925, two by 1.5-2%),
+#: geomean over all 768 shapes 1.0073 -> 1.0078. Check (runs 169 and 177, not used to
+#: fit): the 4 such shapes all faster (h8 b435 643 tokens q4 0.685 -> 1.001, h32 b313 282
+#: 0.834 -> 0.997), geomean over 386 shapes 0.9980 -> 0.9999. At 48 rows FlashMLA stays:
+#: FA3 in the caller's order was faster on 4 of 10 such timings (runs 119-177). FA3 reads
+#: per-request splits up to 992 requests (``fa3_splits.DYNAMIC_SPLIT_MAX_BATCH``); past that
+#: it keeps its own plan.
+VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
+VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to

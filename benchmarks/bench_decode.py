@@ -3,15 +3,16 @@
 Usage (one process, on the GPU machine)::
 
     python benchmarks/bench_decode.py --out DIR [--quick] [--noise] [--host]
-        [--random 1,2 [--random-count 40]] [--train 100] [--no-grid]
+        [--random 1,2 [--random-count 40]] [--shape-list FILE] [--train 100] [--no-grid]
         [--extra-routes cuda-splitk] [--splitk-configs "4,1,4;2,2,4"]
     python benchmarks/bench_decode.py --out DIR --paired 5 [--shapes ...] [--random 1,2]
 
 Writes ``DIR/decode.csv`` (the grid: one row per shape x kernel x pass), ``random-S.csv``
-per random seed S, ``train.csv`` (the policy-fit sweep), ``shapes.jsonl`` (every shape's
-lengths), ``DIR/ceilings.csv`` and ``DIR/host.csv``, then prints summary tables. With
-``--paired`` only FP8 shapes are timed, the plugin against FLASHMLA FP8 alternately
-(``DIR/paired.csv``, one row per alternation). Shapes:
+per random seed S, ``list-NAME.csv`` per ``--shape-list NAME.txt``, ``train.csv`` (the
+policy-fit sweep), ``shapes.jsonl`` (every shape's lengths), ``DIR/ceilings.csv`` and
+``DIR/host.csv``, then prints summary tables. With ``--paired`` only FP8 shapes are timed,
+the plugin against FLASHMLA FP8 alternately (``DIR/paired.csv``, one row per alternation).
+Shapes:
 DeepSeek-V3/Kimi-K2 absorbed MLA (latent 512 + rope 64, softmax scale 1/sqrt(192));
 lengths all = ctx ("u"), uniform-random in [1, ctx] ("r") or in [lo * ctx, ctx]
 ("r0.37"), with a fixed seed per shape.
@@ -185,6 +186,24 @@ def shape_name(shape: tuple) -> str:
     heads, b, ctx, kind, m, kvd, block = shape
     size = f"{ctx // K}k" if ctx % K == 0 else str(ctx)
     return f"h{heads} b{b} {size} {kind} q{m} {kvd} p{block}"
+
+
+def parse_shape_name(name: str) -> tuple:
+    """The shape ``shape_name`` writes as ``name`` (``h16 b64 4k r q1 bf16 p64``)."""
+    heads, b, size, kind, m, kvd, block = name.split()
+    ctx = int(size[:-1]) * K if size.endswith("k") else int(size)
+    return (int(heads[1:]), int(b[1:]), ctx, kind, int(m[1:]), kvd, int(block[1:]))
+
+
+def read_shape_list(path: Path) -> list[tuple[int, tuple]]:
+    """``(case seed, shape)`` from a file of ``CASE_SEED SHAPE_NAME`` lines
+    (``one_wave_shapes.py`` writes them)."""
+    cases = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            seed, name = line.split(maxsplit=1)
+            cases.append((int(seed), parse_shape_name(name)))
+    return cases
 
 
 def make_case(shape: tuple, seed: int, device: torch.device) -> Case:
@@ -600,6 +619,9 @@ def main() -> None:
     ap.add_argument("--random", type=str, default=None,
                     help="comma-separated seeds of random shape sets (random-SEED.csv)")
     ap.add_argument("--random-count", type=int, default=40)
+    ap.add_argument("--shape-list", type=Path, action="append", default=[],
+                    help="a file of 'CASE_SEED SHAPE' lines, timed as a random set "
+                         "(list-NAME.csv); may be given more than once")
     ap.add_argument("--random-request-rows", type=int_range, default=None, metavar="LO-HI",
                     help="keep the random shapes with LO to HI query rows per request "
                          "(heads x q_len) out of the --random-count drawn")
@@ -687,6 +709,8 @@ def main() -> None:
                                        batches=args.random_batches),
              "graph" if args.graph_only else "random")
             for s in (args.random.split(",") if args.random else [])]
+    sets += [(f"list-{path.stem}", read_shape_list(path),
+              "graph" if args.graph_only else "random") for path in args.shape_list]
     if args.train:
         sets.append((f"train-{args.train_seed}",
                      random_set(args.train_seed, args.train, (BF,)), "train"))

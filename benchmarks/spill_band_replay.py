@@ -10,8 +10,8 @@ batch in the caller's order) and prints:
   the same run), the variant's time over FA3's own plan, the baseline being the median of
   the timings of that plan (the route forced, ``vllm-fa3-mla-own`` and the CUDA-graph
   decoder where it ran ``vllm-fa3-mla``), with the waves of FA3's plan, rows per query tile
-  and the requests' mean length; and whether this checkout's band (``fa3_splits.spill_band``)
-  replans it;
+  and the requests' mean length; and whether this checkout's band (``fa3_splits.spill_band``,
+  and the one-wave plans of ``fa3_splits.one_wave_past_band``) replans it as timed;
 * the CUDA-graph decoder against the faster of vLLM's two calls per shape (``--measured``
   of ``evaluate_policy.py``), as timed and with this checkout's band replayed: the
   variant's time where the band now replans a shape the decoder ran on ``vllm-fa3-mla``.
@@ -66,8 +66,9 @@ def seed_lengths(paths: list[str]) -> dict[str, list[int]]:
 def fa3_plans(row: dict, lens: list[int], caller_order: bool = False) -> dict:
     """FA3's own plan of a bf16 shape as the route makes it under CUDA graphs, and which
     bands replan it: ``waves`` (FA3's work tiles over SMs), ``rows`` (per query tile),
-    ``mean`` (tokens), ``past`` (replanned with no upper bound but not within ``SPILL``)
-    and ``now`` (replanned by this checkout's ``spill_band``)."""
+    ``mean`` (tokens), ``past`` (replanned with no upper bound, FA3's plan past ``SPILL``)
+    and ``now`` (past ``SPILL`` and replanned by this checkout's ``balanced_splits`` as the
+    timed variant was)."""
     heads, b, q = int(row["heads"]), int(row["batch"]), int(row["q_len"])
     spec = DecodeSpec(heads, 512, 64, int(row["block"]), torch.bfloat16, torch.bfloat16,
                       0.1, q)
@@ -82,15 +83,17 @@ def fa3_plans(row: dict, lens: list[int], caller_order: bool = False) -> dict:
     tiles, rows = policy.query_tiles(spec, q), policy.query_tile_rows(spec, q)
     kv_tiles = np.maximum(-(-order // policy.FA3_KV_TILE), 1)
 
-    def replans(spill: float | None) -> bool:
+    def plan(spill: float | None) -> np.ndarray | None:
         return fa3_splits.balanced_splits(kv_tiles, tiles, reserved, policy.HOPPER_SMS, rows,
-                                          planned, spill) is not None
+                                          planned, spill)
 
     own = fa3_splits.fa3_splits(kv_tiles, tiles, planned, policy.HOPPER_SMS)
-    return dict(waves=tiles * int(own.sum()) / policy.HOPPER_SMS, rows=rows,
-                mean=float(order.mean()),
-                past=replans(math.inf) and not replans(fa3_splits.SPILL),
-                now=replans(None) and not replans(fa3_splits.SPILL))
+    waves = tiles * int(own.sum()) / policy.HOPPER_SMS
+    timed, now = plan(math.inf), plan(None)
+    return dict(waves=waves, rows=rows, mean=float(order.mean()),
+                past=timed is not None and waves > fa3_splits.SPILL,
+                now=(now is not None and waves > fa3_splits.SPILL
+                     and np.array_equal(now, timed)))
 
 
 def own_plan_us(ks: dict[str, dict]) -> float:

@@ -997,3 +997,12 @@ def test_spill_band_replay_draws_again_the_lengths_a_run_timed():
     assert rows and set(rows) <= set(lens)
     for shape, r in rows.items():
         assert (sum(lens[shape]), max(lens[shape])) == (int(r["kv_tokens"]), int(r["max_len"]))
+
+
+def test_shape_list_reads_the_names_bench_decode_writes(tmp_path):
+    shapes = [(64, 52, 757, "u", 2, "bf16", 64), (16, 128, 8 * 1024, "r0.35", 1, "bf16", 64)]
+    path = tmp_path / "check.txt"
+    path.write_text("".join(f"{7000 + i} {bench_decode.shape_name(s)}\n"
+                            for i, s in enumerate(shapes)) + "\n")
+    assert bench_decode.read_shape_list(path) == [(7000, shapes[0]), (7001, shapes[1])]
+    assert bench_decode.shape_name(shapes[1]) == "h16 b128 8k r0.35 q1 bf16 p64"

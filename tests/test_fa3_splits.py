@@ -93,6 +93,38 @@ def test_narrow_tiles_over_long_requests_take_the_wider_band():
     assert fa3_splits.balanced_splits(np.full(210, 200), 1, 32, SMS, 32) is None
 
 
+def test_near_equal_batches_past_the_band_are_replanned_into_one_wave():
+    # 52 requests of 12 KV tiles at two 64-row query tiles (h64 q2 at 757 tokens, run 177):
+    # ceil(1248 x 1.1 / 132) = 11 KV tiles a split cuts each request in two, 208 work tiles,
+    # 1.58 waves: past SPILL. Unsplit, the 104 tiles run in one wave.
+    kv_tiles = np.full(52, 12)
+    own = fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS)
+    assert 2 * own.sum() == 208
+    plan = fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64)
+    assert plan is not None and 2 * plan.sum() <= SMS
+    cost = fa3_splits.split_cost_tiles(64)
+    assert (grid_span(kv_tiles.tolist(), plan.tolist(), 2, cost)
+            < 0.8 * grid_span(kv_tiles.tolist(), own.tolist(), 2, cost))
+    # A padded batch's empty slots count neither toward the spread nor as pieces to cut.
+    padded = np.concatenate([kv_tiles, np.zeros(8, dtype=np.int64)])
+    assert fa3_splits.one_wave_past_band(padded, 2, SMS)
+    padded_plan = fa3_splits.balanced_splits(padded, 2, 32, SMS, 64)
+    assert padded_plan is not None and 2 * padded_plan.sum() <= SMS
+
+
+def test_ragged_batches_past_the_band_keep_fa3s_plan():
+    # Lengths of 6-63 KV tiles, longest 1.82x the mean (the grid's h128 b64 4k r, 1.7-2.0,
+    # ran 0.92-0.95x FA3's plan unsplit): FA3 spills 1.5 waves, and the plan is kept.
+    kv_tiles = np.tile(np.arange(6, 64, 2), 3)[:64]
+    assert kv_tiles.max() * kv_tiles.size > fa3_splits.ONE_WAVE_MAX_SPREAD * kv_tiles.sum()
+    own_tiles = 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum()
+    assert own_tiles > fa3_splits.SPILL * SMS
+    assert not fa3_splits.one_wave_past_band(kv_tiles, 2, SMS)
+    assert fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64) is None
+    # Near-equal lengths, but more query tiles than SMs: no plan fits one wave.
+    assert not fa3_splits.one_wave_past_band(np.full(67, 12), 2, SMS)
+
+
 def test_short_requests_at_wide_query_tiles_are_not_cut_finer():
     # 172 requests of 11 KV tiles at 48 rows a tile: FA3 gives each one split (172 work
     # tiles, in the band), and a finer cut would leave pieces under MIN_SPLIT_TILES.

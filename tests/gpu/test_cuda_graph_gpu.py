@@ -301,6 +301,9 @@ LENGTH_ORDER_CASES = [
     # 257-1024 requests of <= 32 query rows, which the graph rule gives this route
     # (``policy.VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH``).
     (8, 4, [[700] * 300, [2500, 300, 900] * 100], False),
+    # Near-equal lengths FA3 cuts in two, 1.58 waves at 64-row tiles: past the band, the
+    # route runs every request unsplit in one wave (``fa3_splits.one_wave_past_band``).
+    (64, 2, [[300] * 52, [757] * 52, [700, 757, 690] * 17 + [757]], True),
 ]
 
 

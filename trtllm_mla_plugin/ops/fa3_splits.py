@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from .policy import FA3_SPLIT_MARGIN
+from .policy import FA3_SPLIT_MARGIN, RAGGED_SPREAD
 
 #: FA3's query tile, rows (heads x query tokens, packed).
 QUERY_TILE_ROWS = 64
@@ -57,6 +57,15 @@ DYNAMIC_SPLIT_MAX_BATCH = 992
 #: tiles at 32-64 rows, and gained 1.09-1.17x at 8-16 rows on pieces of 6-12 tiles.
 CHEAP_SPLIT_ROWS = 16
 MIN_SPLIT_TILES = 16
+#: Past the band, plans that put the whole batch in one wave with fewer pieces than FA3's
+#: (requests unsplit or cut in fewer pieces) replace FA3's where the non-empty requests'
+#: longest holds less than this many times their mean KV tiles. Runs 169 and 177 (every
+#: bf16 shape's route plan forced past the band, longest first): the two such shapes of
+#: near-equal lengths gained (h64 b52 757 tokens q2, spread 1.00: 1.71x, 66 -> 38.8 us;
+#: h128 b24 2.7k q2, 1.07: 1.28x), the two ragged ones lost (h128 b64 4k r, 1.72 and
+#: 1.98: 0.95x and 0.92x), where the estimate's even share misprices FA3's longest-first
+#: pieces. The bound is the policy's ragged spread.
+ONE_WAVE_MAX_SPREAD = RAGGED_SPREAD
 #: Tile sizes tried, in KV tiles: about 8% apart, so the best is within 8% of any size.
 CANDIDATE_SIZES = np.unique(np.round(1.08 ** np.arange(0, 120)).astype(np.int64))
 
@@ -114,13 +123,24 @@ def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, s
     return np.minimum(waves * largest, share + largest)
 
 
+def one_wave_past_band(kv_tiles: np.ndarray, query_tiles: int, sms: int) -> bool:
+    """Whether a batch FA3 spills past the band may still be replanned into one wave
+    (``ONE_WAVE_MAX_SPREAD``): every request fits the grid unsplit and the non-empty
+    requests' lengths ``kv_tiles`` ``[batch]`` (64-token KV tiles) are near-equal."""
+    if query_tiles * kv_tiles.shape[0] > sms:
+        return False
+    filled = kv_tiles[kv_tiles > 0]
+    return filled.size > 0 and int(filled.max()) * filled.size < (
+        ONE_WAVE_MAX_SPREAD * int(filled.sum()))
+
+
 def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms: int,
                     rows_per_tile: float, fa3_cap: int | None = None,
                     spill: float | None = None) -> np.ndarray | None:
     """Splits per request (int32 ``[batch]``, each in ``1..max_splits`` and at most the
     request's KV tiles) that fill FA3's grid of ``sms`` CTAs better than FA3's own plan,
-    or ``None`` to keep FA3's (outside the band ``spill_band`` gives, or where no size
-    is expected to be faster).
+    or ``None`` to keep FA3's (outside the band ``spill_band`` gives, except for the
+    one-wave plans of ``one_wave_past_band``, or where no size is expected to be faster).
 
     Args:
         kv_tiles: ``[batch]`` int64, each request's 64-token KV tiles (0 for empty slots).
@@ -139,7 +159,9 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
         return None
     n = np.maximum(kv_tiles, 1)
     own = fa3_splits(n, query_tiles, fa3_cap or max_splits, sms)
-    if not sms < query_tiles * int(own.sum()) <= spill * sms:
+    own_tiles = query_tiles * int(own.sum())
+    one_wave = own_tiles > spill * sms
+    if own_tiles <= sms or (one_wave and not one_wave_past_band(kv_tiles, query_tiles, sms)):
         return None
     top = int(n.max())
     sizes = CANDIDATE_SIZES[: int(np.searchsorted(CANDIDATE_SIZES, top)) + 1]
@@ -154,6 +176,8 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
         more = plans[:, 1:].sum(0) > own.sum()
         pieces = np.where(plans[:, 1:] > 1, -(-n[:, None] // plans[:, 1:]), MIN_SPLIT_TILES)
         spans[1:][more & (pieces.min(0) < MIN_SPLIT_TILES)] = np.inf
+    if one_wave:
+        spans[1:][query_tiles * plans[:, 1:].sum(0) > sms] = np.inf
     best = int(np.argmin(spans))
     if best == 0 or spans[best] >= spans[0]:
         return None

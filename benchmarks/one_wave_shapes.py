@@ -1,0 +1,95 @@
+"""Seeded shapes for checking the one-wave plans past the band (``fa3_splits.one_wave_past_band``).
+
+``python benchmarks/one_wave_shapes.py SEED COUNT [--controls N] > FILE`` prints ``COUNT``
+bf16 shapes that the CUDA-graph decoder runs on ``vllm-fa3-mla`` and whose FA3 plan the
+route now replans into one wave past the band, then ``N`` controls: shapes of the same
+kind the rule declines for their spread (1.25-1.6, longest over mean), to be timed with
+``--extra-routes vllm-fa3-mla:balanced`` (the plan the rule would have made). Each line is
+``CASE_SEED SHAPE`` for ``bench_decode.py --shape-list FILE`` (the case seed draws the
+lengths, as for the random sets). Draw: heads 8-128, q_len 1-4, up to 132 query tiles
+(each request fits the grid unsplit), longest request log-uniform in 256-16k tokens,
+lengths uniform or uniform in ``[lo x ctx, ctx]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+import numpy as np
+import torch
+from bench_decode import BF, RANDOM_HEADS, case_lengths, shape_name
+
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits, policy
+from trtllm_mla_plugin.ops.platform import Platform
+from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_splits
+
+HOPPER = Platform("cuda", (9, 0))
+
+
+def one_wave_plan(shape: tuple, lens: list[int]) -> tuple[bool, bool, float]:
+    """For a batch the graph decoder runs on ``vllm-fa3-mla`` with FA3's plan past the band:
+    (whether the route replans it, whether ``balanced_splits`` unbounded plans one wave,
+    spread of the lengths); all false elsewhere."""
+    heads, b, _ctx, _kind, q, _kvd, block = shape
+    spec = DecodeSpec(heads, 512, 64, block, torch.bfloat16, torch.bfloat16, 0.1, q)
+    if policy.rank(spec, HOPPER, policy.BatchShape(b, q))[0] != policy.VLLM_FA3:
+        return False, False, 0.0
+    order = np.array(lens, dtype=np.int64)
+    if policy.vllm_fa3_length_order(b):
+        order = -np.sort(-order)
+    host = torch.from_numpy(order.astype(np.int32))
+    batch = DecodeBatch(torch.zeros(b, 1, dtype=torch.int32), host, int(order.max()),
+                        max_q_len=q, num_tokens=b * q, kv_tokens=int(order.sum()),
+                        seq_lens_host=host)
+    reserved, planned = graph_splits(spec, batch, policy.HOPPER_SMS)
+    tiles, rows = policy.query_tiles(spec, q), policy.query_tile_rows(spec, q)
+    kv_tiles = -(-order // policy.FA3_KV_TILE)
+    own = fa3_splits.fa3_splits(np.maximum(kv_tiles, 1), tiles, planned, policy.HOPPER_SMS)
+    if tiles * int(own.sum()) <= fa3_splits.spill_band(heads * q, kv_tiles) * policy.HOPPER_SMS:
+        return False, False, 0.0
+    args = (kv_tiles, tiles, reserved, policy.HOPPER_SMS, rows, planned)
+    unbounded = fa3_splits.balanced_splits(*args, math.inf)
+    spread = float(kv_tiles.max() * kv_tiles.size / kv_tiles.sum())
+    return (fa3_splits.balanced_splits(*args) is not None,
+            unbounded is not None and tiles * int(unbounded.sum()) <= policy.HOPPER_SMS,
+            spread)
+
+
+def draw(seed: int, count: int, controls: int) -> list[tuple[int, tuple]]:
+    """``count`` shapes the rule replans and ``controls`` it declines for their spread."""
+    rng = random.Random(seed)
+    found, declined = [], []
+    i = 0
+    while len(found) < count or len(declined) < controls:
+        i += 1
+        heads, q = rng.choice(RANDOM_HEADS), rng.choice((1, 1, 2, 3, 4))
+        tiles = -(-heads * q // 64)
+        b = rng.randint(max(2, 132 // (12 * tiles)), 132 // tiles)
+        ctx = round(2 ** rng.uniform(8, 14))
+        lo = rng.choice((None, rng.uniform(0.6, 0.95), rng.uniform(0.2, 0.6)))
+        shape = (heads, b, ctx, "u" if lo is None else f"r{lo:.2f}", q, BF, 64)
+        case_seed = 1000 * seed + i
+        g = torch.Generator(device="cpu").manual_seed(case_seed)
+        replans, one_wave, spread = one_wave_plan(shape, case_lengths(shape[3], ctx, b, q, g))
+        if replans and len(found) < count:
+            found.append((case_seed, shape))
+        elif (one_wave and not replans and 1.25 <= spread < 1.6
+              and len(declined) < controls):
+            declined.append((case_seed, shape))
+    return found + declined
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("seed", type=int)
+    ap.add_argument("count", type=int)
+    ap.add_argument("--controls", type=int, default=0)
+    args = ap.parse_args()
+    for case_seed, shape in draw(args.seed, args.count, args.controls):
+        print(case_seed, shape_name(shape))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,18 @@
 """Seeded shapes for checking the one-wave plans past the band (``fa3_splits.one_wave_past_band``).
 
-``python benchmarks/one_wave_shapes.py SEED COUNT [--controls N] > FILE`` prints ``COUNT``
-bf16 shapes that the CUDA-graph decoder runs on ``vllm-fa3-mla`` and whose FA3 plan the
-route now replans into one wave past the band, then ``N`` controls: shapes of the same
-kind the rule declines for their spread (1.25-1.6, longest over mean), to be timed with
-``--extra-routes vllm-fa3-mla:balanced`` (the plan the rule would have made). Each line is
+``python benchmarks/one_wave_shapes.py SEED COUNT [--min-spread S] [--controls N
+[--control-spread LO HI]] [--lo-min LO] > FILE`` prints ``COUNT`` bf16 shapes that the
+CUDA-graph decoder runs on ``vllm-fa3-mla`` and whose FA3 plan the route now replans into
+one wave past the band (of spread >= ``S``: longest over mean KV tiles), then ``N``
+controls: shapes of the same kind the rule declines for their spread (default from
+``ONE_WAVE_MAX_SPREAD`` to 2), to be timed with ``--extra-routes vllm-fa3-mla:balanced``
+(the plan the rule would have made). Each line is
 ``CASE_SEED SHAPE`` for ``bench_decode.py --shape-list FILE`` (the case seed draws the
 lengths, as for the random sets). Draw: heads 8-128, q_len 1-4, up to 132 query tiles
 (each request fits the grid unsplit), longest request log-uniform in 256-16k tokens,
-lengths uniform or uniform in ``[lo x ctx, ctx]``.
+lengths uniform or uniform in ``[lo x ctx, ctx]`` (``lo`` drawn in 0.6-0.95 or in
+``--lo-min``-0.6). Lists ``shapes/one-wave-301.txt`` and ``-302.txt`` (run 180) were drawn
+with the spread bound at 1.25 and controls of 1.25-1.6 (the script at 68654bf).
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ def one_wave_plan(shape: tuple, lens: list[int]) -> tuple[bool, bool, float]:
             spread)
 
 
-def draw(seed: int, count: int, controls: int) -> list[tuple[int, tuple]]:
-    """``count`` shapes the rule replans and ``controls`` it declines for their spread."""
+def draw(seed: int, count: int, controls: int, control_spread: tuple[float, float],
+         lo_min: float, min_spread: float = 0.0) -> list[tuple[int, tuple]]:
+    """``count`` shapes the rule replans (of at least ``min_spread``) and ``controls`` it
+    declines for their spread (within ``control_spread``)."""
     rng = random.Random(seed)
     found, declined = [], []
     i = 0
@@ -68,14 +74,14 @@ def draw(seed: int, count: int, controls: int) -> list[tuple[int, tuple]]:
         tiles = -(-heads * q // 64)
         b = rng.randint(max(2, 132 // (12 * tiles)), 132 // tiles)
         ctx = round(2 ** rng.uniform(8, 14))
-        lo = rng.choice((None, rng.uniform(0.6, 0.95), rng.uniform(0.2, 0.6)))
+        lo = rng.choice((None, rng.uniform(0.6, 0.95), rng.uniform(lo_min, 0.6)))
         shape = (heads, b, ctx, "u" if lo is None else f"r{lo:.2f}", q, BF, 64)
         case_seed = 1000 * seed + i
         g = torch.Generator(device="cpu").manual_seed(case_seed)
         replans, one_wave, spread = one_wave_plan(shape, case_lengths(shape[3], ctx, b, q, g))
-        if replans and len(found) < count:
+        if replans and spread >= min_spread and len(found) < count:
             found.append((case_seed, shape))
-        elif (one_wave and not replans and 1.25 <= spread < 1.6
+        elif (one_wave and not replans and control_spread[0] <= spread < control_spread[1]
               and len(declined) < controls):
             declined.append((case_seed, shape))
     return found + declined
@@ -86,8 +92,14 @@ def main() -> None:
     ap.add_argument("seed", type=int)
     ap.add_argument("count", type=int)
     ap.add_argument("--controls", type=int, default=0)
+    ap.add_argument("--control-spread", type=float, nargs=2, metavar=("LO", "HI"),
+                    default=(fa3_splits.ONE_WAVE_MAX_SPREAD, 2.0))
+    ap.add_argument("--lo-min", type=float, default=0.2)
+    ap.add_argument("--min-spread", type=float, default=0.0,
+                    help="only replanned shapes of at least this spread")
     args = ap.parse_args()
-    for case_seed, shape in draw(args.seed, args.count, args.controls):
+    for case_seed, shape in draw(args.seed, args.count, args.controls, args.control_spread,
+                                 args.lo_min, args.min_spread):
         print(case_seed, shape_name(shape))
 
 

@@ -144,19 +144,21 @@ def random_shapes(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8)) -
 
 def random_set(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8),
                keep: str = "both", request_rows: tuple[int, int] | None = None,
-               batches: tuple[int, int] | None = None) -> list[tuple[int, tuple]]:
+               batches: tuple[int, int] | None = None,
+               rows: tuple[int, int] | None = None) -> list[tuple[int, tuple]]:
     """``(case seed, shape)`` of random set ``seed`` whose cache dtype ``keep`` admits
-    (``"both"``, ``BF`` or ``F8``) and, if given, with query rows per request (heads x q_len)
-    and batch size each within an inclusive ``(lo, hi)`` range. The case seed (lengths and
-    values of ``make_case``) is ``1000 * seed`` + the shape's place in the draw, the same in
-    every run and mode, so a filtered set's shapes are those of the whole draw."""
+    (``"both"``, ``BF`` or ``F8``) and, if given, with query rows per request (heads x q_len),
+    batch size and the batch's query rows each within an inclusive ``(lo, hi)`` range. The
+    case seed (lengths and values of ``make_case``) is ``1000 * seed`` + the shape's place in
+    the draw, the same in every run and mode, so a filtered set's shapes are those of the
+    whole draw (draw at most 1000 shapes a seed, or case seeds repeat across seeds)."""
     def within(value: int, bounds: tuple[int, int] | None) -> bool:
         return bounds is None or bounds[0] <= value <= bounds[1]
 
     return [(1000 * seed + i, shape)
             for i, shape in enumerate(random_shapes(seed, count, kv_kinds))
             if keep in ("both", shape[5]) and within(shape[0] * shape[4], request_rows)
-            and within(shape[1], batches)]
+            and within(shape[1], batches) and within(shape[0] * shape[1] * shape[4], rows)]
 
 
 def int_range(text: str) -> tuple[int, int]:
@@ -627,6 +629,9 @@ def main() -> None:
                          "(heads x q_len) out of the --random-count drawn")
     ap.add_argument("--random-batches", type=int_range, default=None, metavar="LO-HI",
                     help="keep the random shapes of LO to HI requests out of those drawn")
+    ap.add_argument("--random-rows", type=int_range, default=None, metavar="LO-HI",
+                    help="keep the random shapes of LO to HI query rows in all (requests x "
+                         "heads x q_len) out of those drawn")
     ap.add_argument("--train", type=int, default=0,
                     help="bf16 random shapes timed on the policy's routes only (train.csv)")
     ap.add_argument("--train-seed", type=int, default=101)
@@ -706,7 +711,8 @@ def main() -> None:
         args.kv = BF
     sets = [(f"random-{s}", random_set(int(s), args.random_count, keep=args.kv,
                                        request_rows=args.random_request_rows,
-                                       batches=args.random_batches),
+                                       batches=args.random_batches,
+                                       rows=args.random_rows),
              "graph" if args.graph_only else "random")
             for s in (args.random.split(",") if args.random else [])]
     sets += [(f"list-{path.stem}", read_shape_list(path),

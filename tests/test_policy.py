@@ -94,12 +94,13 @@ CASES = [
     (32, BatchShape(64, 1), "vllm-fa3-mla"),  # 33-256 requests: vLLM's FA3, longest first
     (64, BatchShape(33, 1), "vllm-fa3-mla"),
     (128, BatchShape(256, 4), "vllm-fa3-mla"),
-    (64, BatchShape(20, 2), "flashmla"),  # ... not 17-32 beyond 2048 rows (below)
+    (64, BatchShape(25, 2), "flashmla"),  # ... not 25-32 beyond 3072 rows (below)
     (16, BatchShape(1, 1), "vllm-fa3-mla"),  # ... but vLLM's FA3 for batches of <= 32
     (16, BatchShape(32, 1), "vllm-fa3-mla"),
     (128, BatchShape(16, 1), "vllm-fa3-mla"),
     (16, BatchShape(8, 3), "vllm-fa3-mla"),  # several query tokens: vLLM's FA3 too ...
-    (128, BatchShape(5, 4), "flashmla"),  # ... up to 2048 query rows (5 x 128 x 4 = 2560)
+    (128, BatchShape(7, 4), "flashmla"),  # ... up to 3072 query rows (7 x 128 x 4 = 3584)
+    (128, BatchShape(24, 1), "vllm-fa3-mla"),  # 24 x 128 = 3072
     (8, BatchShape(452, 1), "vllm-fa3-mla"),  # 8 query rows per request: any batch size
     (8, BatchShape(33, 3), "flashmla"),  # ... with one query token (24 rows: FlashMLA)
     (32, BatchShape(45, 3), "flashmla"),  # 96 rows, two tiles, one half full: FlashMLA ...
@@ -360,18 +361,19 @@ def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):
 def test_cuda_graph_decoder_picks_by_batch_size_only(kernels_present, monkeypatch):
     """Under CUDA graphs the route depends on the batch size alone, whatever the lengths:
     FlashInfer FA3's per-step plan is 1-2 ms of host Python (run 17), the others' a kernel
-    launch. With 128 heads the rows bound (2048 = 16 requests) binds: vLLM's FA3 MLA kernel
-    up to 16 requests, FlashMLA for 17-32, vLLM's FA3 again (longest first) for 33-256,
+    launch. With 128 heads the rows bound (3072 = 24 requests) binds: vLLM's FA3 MLA kernel
+    up to 24 requests, FlashMLA for 25-32, vLLM's FA3 again (longest first) for 33-256,
     FlashMLA above. FA3 stays behind them for specs they cannot serve."""
     dec, stubs = stub_decoder(monkeypatch, heads=128, cuda_graph=True)
     for lens in ([8 * K] * 300, [8 * K, 2 * K] * 150, [32 * K] * 128, [1] * 128, [8 * K] * 32,
-                 [8 * K, 2 * K] * 16, [32 * K] * 33, [1] * 1, [8 * K] * 17, [32 * K] * 16):
+                 [8 * K, 2 * K] * 16, [32 * K] * 33, [1] * 1, [8 * K] * 25, [8 * K] * 24,
+                 [32 * K] * 16):
         dec.plan(batch(lens))
         b = len(lens)
-        assert dec.route.name == ("vllm-fa3-mla" if b <= 16 or 33 <= b <= 256
+        assert dec.route.name == ("vllm-fa3-mla" if b <= 24 or 33 <= b <= 256
                                   else "flashmla"), b
-    assert [b for b, _ in stubs["flashmla"].plans] == [300, 300, 32, 32, 17]
-    assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [128, 128, 33, 1, 16]
+    assert [b for b, _ in stubs["flashmla"].plans] == [300, 300, 32, 32, 25]
+    assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [128, 128, 33, 1, 24, 16]
     assert "flashinfer-fa3" not in stubs  # never built: no batch size would run it
 
 
@@ -457,12 +459,12 @@ def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
 
 
 @pytest.mark.parametrize(("heads", "q_len", "largest_fa3_batch"), [
-    (128, 4, 4),    # 4 x 128 x 4 = 2048 query rows; b5 (2560 rows) goes to FlashMLA
-    (128, 2, 8),
-    (64, 2, 16),    # 16 x 64 x 2 = 2048
-    (16, 4, 32),    # both bounds: 32 requests, 32 x 16 x 4 = 2048 rows
+    (128, 4, 6),    # 6 x 128 x 4 = 3072 query rows; b7 (3584 rows) goes to FlashMLA
+    (128, 2, 12),
+    (64, 2, 24),    # 24 x 64 x 2 = 3072
+    (16, 4, 32),    # the request bound: 32 requests, 32 x 16 x 4 = 2048 rows
     (8, 2, 32),     # the request bound binds first (32 x 8 x 2 = 512 rows)
-    (32, 3, 21),    # 21 x 96 = 2016 rows; 33-256 requests of 96 rows stay on FlashMLA
+    (32, 3, 32),    # 32 x 96 = 3072 rows; 33-256 requests of 96 rows stay on FlashMLA
     (8, 4, 32),     # 32 rows a request: FA3 up to 1024 requests
     (32, 1, 32),
     (16, 3, 32),    # 48 rows: FA3 up to 256 requests

@@ -114,13 +114,16 @@ FLASHMLA_MIN_WORK = 200_000
 #: context length, which this rule cannot see (FlashMLA 1.1-1.5x faster from ~2.5k tokens,
 #: FA3 1.3-1.5x at 0.3-2k) ...
 VLLM_FA3_GRAPH_MAX_BATCH = 32
-#: ... and at most this many query rows (requests x heads x query tokens): with several
-#: query tokens and 128 heads FlashMLA ran 1.4x faster (h128 b9 q4: 611 vs 868 us; b5 q4
-#: and b6 q4 alike). Seeds 1-2 allow any bound from 1024 to 4608 rows; 2048 is 16 x 128, so
-#: 128-head one-token batches keep the bound of 16 requests they were fitted with (run 23).
-#: Every multi-token batch under both bounds ran faster on FA3 (23 of 23 shapes, 1.02-1.52x;
-#: seeds 1-4, 7, 8).
-VLLM_FA3_GRAPH_MAX_ROWS = 2048
+#: ... and at most this many query rows (requests x heads x query tokens): past it FA3 gains
+#: nothing (run 23: FlashMLA 1.4x faster at h128 b9 q4, 611 vs 868 us; runs 155-180, the 30
+#: shapes of 3073-4096 rows: FA3 1.005x FlashMLA on geomean, 0.71x at h128 b14 319 q2).
+#: 2048 until the thirty-sixth session; 3072 refitted on the graph-timed runs 155-177 (the
+#: 20 shapes of 2049-3072 rows: FA3 1.050x FlashMLA on geomean, worst 0.930 at h64 b17 63k
+#: q2; against the faster of vLLM's two calls 0.984 -> 1.029) and checked on run 180 (4
+#: shapes, 1.094x) and run 184 (47 fresh shapes drawn at 2049-3072 rows, seeds 305-308:
+#: 1.053x, worst 0.785 at h32 b28 321 q3, 0.88-1.02x from 12k tokens on; 0.984 -> 1.026 of
+#: the faster of vLLM's calls, shapes under 0.95 13 -> 4).
+VLLM_FA3_GRAPH_MAX_ROWS = 3072
 #: Whatever the batch size, vLLM's FA3 MLA kernel also takes batches with at most this many
 #: query rows per request (heads x query tokens: Kimi-K2's 64 heads at TP8, DeepSeek-V3's
 #: 128 at TP16, one token each): the same kernel as vLLM's default, and the faster one on 14

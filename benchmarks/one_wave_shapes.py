@@ -21,13 +21,12 @@ import argparse
 import math
 import random
 
-import numpy as np
 import torch
 from bench_decode import BF, RANDOM_HEADS, case_lengths, shape_name
+from spill_band_replay import route_plan_inputs
 
-from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits, policy
+from trtllm_mla_plugin.ops import DecodeSpec, fa3_splits, policy
 from trtllm_mla_plugin.ops.platform import Platform
-from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_splits
 
 HOPPER = Platform("cuda", (9, 0))
 
@@ -40,17 +39,8 @@ def one_wave_plan(shape: tuple, lens: list[int]) -> tuple[bool, bool, float]:
     spec = DecodeSpec(heads, 512, 64, block, torch.bfloat16, torch.bfloat16, 0.1, q)
     if policy.rank(spec, HOPPER, policy.BatchShape(b, q))[0] != policy.VLLM_FA3:
         return False, False, 0.0
-    order = np.array(lens, dtype=np.int64)
-    if policy.vllm_fa3_length_order(b):
-        order = -np.sort(-order)
-    host = torch.from_numpy(order.astype(np.int32))
-    batch = DecodeBatch(torch.zeros(b, 1, dtype=torch.int32), host, int(order.max()),
-                        max_q_len=q, num_tokens=b * q, kv_tokens=int(order.sum()),
-                        seq_lens_host=host)
-    reserved, planned = graph_splits(spec, batch, policy.HOPPER_SMS)
-    tiles, rows = policy.query_tiles(spec, q), policy.query_tile_rows(spec, q)
-    kv_tiles = -(-order // policy.FA3_KV_TILE)
-    own = fa3_splits.fa3_splits(np.maximum(kv_tiles, 1), tiles, planned, policy.HOPPER_SMS)
+    kv_tiles, tiles, reserved, planned, rows = route_plan_inputs(heads, b, q, block, lens)
+    own = fa3_splits.fa3_splits(kv_tiles, tiles, planned, policy.HOPPER_SMS)
     if tiles * int(own.sum()) <= fa3_splits.spill_band(heads * q, kv_tiles) * policy.HOPPER_SMS:
         return False, False, 0.0
     args = (kv_tiles, tiles, reserved, policy.HOPPER_SMS, rows, planned)

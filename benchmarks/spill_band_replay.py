@@ -63,25 +63,35 @@ def seed_lengths(paths: list[str]) -> dict[str, list[int]]:
     return lens
 
 
+def route_plan_inputs(heads: int, batch_size: int, q_len: int, block: int, lens: list[int],
+                      caller_order: bool = False) -> tuple[np.ndarray, int, int, int, float]:
+    """What the ``vllm-fa3-mla`` route plans a bf16 batch of ``lens`` from under CUDA graphs:
+    each request's 64-token KV tiles in launch order (``[batch]`` int64, longest first for
+    batches of ``policy.VLLM_FA3_LENGTH_ORDER_MIN_BATCH`` or more unless ``caller_order``),
+    query tiles per request, the splits the launch reserves, the cap it plans with and the
+    query rows per tile."""
+    spec = DecodeSpec(heads, 512, 64, block, torch.bfloat16, torch.bfloat16, 0.1, q_len)
+    order = np.array(lens, dtype=np.int64)
+    if policy.vllm_fa3_length_order(batch_size) and not caller_order:
+        order = -np.sort(-order)
+    host = torch.from_numpy(order.astype(np.int32))
+    batch = DecodeBatch(torch.zeros(batch_size, 1, dtype=torch.int32), host,
+                        int(order.max()), max_q_len=q_len, num_tokens=batch_size * q_len,
+                        kv_tokens=int(order.sum()), seq_lens_host=host)
+    reserved, planned = graph_splits(spec, batch, policy.HOPPER_SMS)
+    return (np.maximum(-(-order // policy.FA3_KV_TILE), 1), policy.query_tiles(spec, q_len),
+            reserved, planned, policy.query_tile_rows(spec, q_len))
+
+
 def fa3_plans(row: dict, lens: list[int], caller_order: bool = False) -> dict:
     """FA3's own plan of a bf16 shape as the route makes it under CUDA graphs, and which
     bands replan it: ``waves`` (FA3's work tiles over SMs), ``rows`` (per query tile),
     ``mean`` (tokens), ``past`` (replanned with no upper bound, FA3's plan past ``SPILL``)
     and ``now`` (past ``SPILL`` and replanned by this checkout's ``balanced_splits`` as the
     timed variant was)."""
-    heads, b, q = int(row["heads"]), int(row["batch"]), int(row["q_len"])
-    spec = DecodeSpec(heads, 512, 64, int(row["block"]), torch.bfloat16, torch.bfloat16,
-                      0.1, q)
-    order = np.array(lens, dtype=np.int64)
-    if policy.vllm_fa3_length_order(b) and not caller_order:
-        order = -np.sort(-order)
-    host = torch.from_numpy(order.astype(np.int32))
-    batch = DecodeBatch(torch.zeros(b, 1, dtype=torch.int32), host, int(order.max()),
-                        max_q_len=q, num_tokens=b * q, kv_tokens=int(order.sum()),
-                        seq_lens_host=host)
-    reserved, planned = graph_splits(spec, batch, policy.HOPPER_SMS)
-    tiles, rows = policy.query_tiles(spec, q), policy.query_tile_rows(spec, q)
-    kv_tiles = np.maximum(-(-order // policy.FA3_KV_TILE), 1)
+    kv_tiles, tiles, reserved, planned, rows = route_plan_inputs(
+        int(row["heads"]), int(row["batch"]), int(row["q_len"]), int(row["block"]), lens,
+        caller_order)
 
     def plan(spill: float | None) -> np.ndarray | None:
         return fa3_splits.balanced_splits(kv_tiles, tiles, reserved, policy.HOPPER_SMS, rows,
@@ -90,7 +100,7 @@ def fa3_plans(row: dict, lens: list[int], caller_order: bool = False) -> dict:
     own = fa3_splits.fa3_splits(kv_tiles, tiles, planned, policy.HOPPER_SMS)
     waves = tiles * int(own.sum()) / policy.HOPPER_SMS
     timed, now = plan(math.inf), plan(None)
-    return dict(waves=waves, rows=rows, mean=float(order.mean()),
+    return dict(waves=waves, rows=rows, mean=float(np.mean(lens)),
                 past=timed is not None and waves > fa3_splits.SPILL,
                 now=(now is not None and waves > fa3_splits.SPILL
                      and np.array_equal(now, timed)))

@@ -65,7 +65,11 @@ MIN_SPLIT_TILES = 16
 #: and 0.92x, where the estimate's even share misprices FA3's longest-first pieces) and run
 #: 180 (seeds 301-302 of ``benchmarks/one_wave_shapes.py``: 96 shapes under 1.25 replanned,
 #: 1.25x FA3's plan on geomean, worst 0.98; 32 controls of 1.25-1.6, the plan forced, 1.20x,
-#: worst 1.03, the gain falling with the spread to 1.03x at 1.59).
+#: worst 1.03, the gain falling with the spread to 1.03x at 1.59). Checked on run 183 (80
+#: fresh shapes, seeds 303-304: 1.20x, worst 0.952; 1.14x at spreads of 1.25-1.5, long
+#: requests gaining least). Past 1.5 the plan forced still gained on run 183's 24 controls
+#: (1.14x, up to 1.91), which the grid's two ragged losses keep out until a rule tells them
+#: apart.
 ONE_WAVE_MAX_SPREAD = 1.5
 #: Tile sizes tried, in KV tiles: about 8% apart, so the best is within 8% of any size.
 CANDIDATE_SIZES = np.unique(np.round(1.08 ** np.arange(0, 120)).astype(np.int64))

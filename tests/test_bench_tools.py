@@ -854,14 +854,19 @@ def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
 
 
 def test_random_set_filters_keep_the_draws_own_case_seeds():
-    """``--random-request-rows`` / ``--random-batches``: a filtered set is the part of the
-    whole draw inside both ranges, each shape with the case seed it has unfiltered."""
+    """``--random-request-rows`` / ``--random-batches`` / ``--random-rows``: a filtered set is
+    the part of the whole draw inside the ranges, each shape with the case seed it has
+    unfiltered."""
     whole = bench_decode.random_set(83, 400, keep=bench_decode.BF)
     kept = bench_decode.random_set(83, 400, keep=bench_decode.BF, request_rows=(9, 16),
                                    batches=(17, 127))
     assert kept and len(kept) < len(whole)
     assert kept == [(seed, s) for seed, s in whole
                     if 9 <= s[0] * s[4] <= 16 and 17 <= s[1] <= 127]
+    # --random-rows: the batch's query rows, requests x heads x query tokens.
+    rows = bench_decode.random_set(83, 400, keep=bench_decode.BF, rows=(2049, 8192))
+    assert rows and rows == [(seed, s) for seed, s in whole
+                             if 2049 <= s[0] * s[1] * s[4] <= 8192]
     assert bench_decode.int_range("33-95") == (33, 95)
     assert bench_decode.int_range("7") == (7, 7)
     with pytest.raises(argparse.ArgumentTypeError, match="empty range"):
@@ -1006,3 +1011,31 @@ def test_shape_list_reads_the_names_bench_decode_writes(tmp_path):
                             for i, s in enumerate(shapes)) + "\n")
     assert bench_decode.read_shape_list(path) == [(7000, shapes[0]), (7001, shapes[1])]
     assert bench_decode.shape_name(shapes[1]) == "h16 b128 8k r0.35 q1 bf16 p64"
+
+
+def test_one_wave_shapes_draws_what_the_route_replans_and_controls_it_declines():
+    """``one_wave_shapes.py``: the drawn shapes are batches the CUDA-graph decoder runs on
+    vLLM's FA3 kernel whose plan the route replans into one wave past the band; the
+    controls are the same kind of batch past the spread bound, which it keeps."""
+    import one_wave_shapes
+    from spill_band_replay import route_plan_inputs
+
+    from trtllm_mla_plugin.ops import fa3_splits, policy
+
+    cases = one_wave_shapes.draw(301, 4, 2, (1.5, 2.0), 0.0)
+    assert len(cases) == 6
+    for i, (case_seed, shape) in enumerate(cases):
+        heads, b, ctx, kind, q, _, block = shape
+        g = torch.Generator(device="cpu").manual_seed(case_seed)
+        lens = bench_decode.case_lengths(kind, ctx, b, q, g)
+        kv_tiles, tiles, reserved, planned, rows = route_plan_inputs(heads, b, q, block, lens)
+        own = fa3_splits.fa3_splits(kv_tiles, tiles, planned, policy.HOPPER_SMS)
+        assert tiles * own.sum() > fa3_splits.SPILL * policy.HOPPER_SMS
+        plan = fa3_splits.balanced_splits(kv_tiles, tiles, reserved, policy.HOPPER_SMS, rows,
+                                          planned)
+        spread = kv_tiles.max() / kv_tiles.mean()
+        if i < 4:
+            assert plan is not None and tiles * plan.sum() <= policy.HOPPER_SMS
+            assert spread < fa3_splits.ONE_WAVE_MAX_SPREAD
+        else:
+            assert plan is None and 1.5 <= spread < 2.0

@@ -15,9 +15,11 @@ whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV tile
 ``ceil(n / size)`` equal splits). Outside that band more or fewer splits lost as often as
 they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one wave or more than
 1.35: 0.80-1.09x FA3's own; run 169, longest first: slower on 4 of 5 shapes of <= 48 query
-rows past 1.5 waves and on 18 of 19 of 64-row tiles past 1.35). The route writes the
-result over the ``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel
-and FA3's combine read per request.
+rows past 1.5 waves and on 18 of 19 of 64-row tiles past 1.35), but for one kind of plan:
+where every request fits the grid unsplit and the lengths are near-equal, fewer pieces than
+FA3's in one wave save the second wave's start and the combine (``one_wave_past_band``,
+runs 169-183). The route writes the result over the ``num_splits_dynamic`` vector of FA3's
+scheduler metadata, which the kernel and FA3's combine read per request.
 """
 
 from __future__ import annotations

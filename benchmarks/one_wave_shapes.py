@@ -23,12 +23,10 @@ import random
 
 import torch
 from bench_decode import BF, RANDOM_HEADS, case_lengths, shape_name
+from evaluate_policy import H200
 from spill_band_replay import route_plan_inputs
 
 from trtllm_mla_plugin.ops import DecodeSpec, fa3_splits, policy
-from trtllm_mla_plugin.ops.platform import Platform
-
-HOPPER = Platform("cuda", (9, 0))
 
 
 def one_wave_plan(shape: tuple, lens: list[int]) -> tuple[bool, bool, float]:
@@ -37,7 +35,7 @@ def one_wave_plan(shape: tuple, lens: list[int]) -> tuple[bool, bool, float]:
     spread of the lengths); all false elsewhere."""
     heads, b, _ctx, _kind, q, _kvd, block = shape
     spec = DecodeSpec(heads, 512, 64, block, torch.bfloat16, torch.bfloat16, 0.1, q)
-    if policy.rank(spec, HOPPER, policy.BatchShape(b, q))[0] != policy.VLLM_FA3:
+    if policy.rank(spec, H200, policy.BatchShape(b, q))[0] != policy.VLLM_FA3:
         return False, False, 0.0
     kv_tiles, tiles, reserved, planned, rows = route_plan_inputs(heads, b, q, block, lens)
     own = fa3_splits.fa3_splits(kv_tiles, tiles, planned, policy.HOPPER_SMS)

@@ -167,8 +167,8 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
     n = np.maximum(kv_tiles, 1)
     own = fa3_splits(n, query_tiles, fa3_cap or max_splits, sms)
     own_tiles = query_tiles * int(own.sum())
-    one_wave = own_tiles > spill * sms
-    if own_tiles <= sms or (one_wave and not one_wave_past_band(kv_tiles, query_tiles, sms)):
+    past_band = own_tiles > spill * sms
+    if own_tiles <= sms or (past_band and not one_wave_past_band(kv_tiles, query_tiles, sms)):
         return None
     top = int(n.max())
     sizes = CANDIDATE_SIZES[: int(np.searchsorted(CANDIDATE_SIZES, top)) + 1]
@@ -183,7 +183,7 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
         more = plans[:, 1:].sum(0) > own.sum()
         pieces = np.where(plans[:, 1:] > 1, -(-n[:, None] // plans[:, 1:]), MIN_SPLIT_TILES)
         spans[1:][more & (pieces.min(0) < MIN_SPLIT_TILES)] = np.inf
-    if one_wave:
+    if past_band:  # only plans that fit one wave
         spans[1:][query_tiles * plans[:, 1:].sum(0) > sms] = np.inf
     best = int(np.argmin(spans))
     if best == 0 or spans[best] >= spans[0]:

@@ -1,7 +1,7 @@
 """Seeded shapes for checking the one-wave plans past the band (``fa3_splits.one_wave_past_band``).
 
 ``python benchmarks/one_wave_shapes.py SEED COUNT [--min-spread S] [--controls N
-[--control-spread LO HI]] [--lo-min LO] > FILE`` prints ``COUNT`` bf16 shapes that the
+[--control-spread LO HI]] [--lo-min LO] [--block P] > FILE`` prints ``COUNT`` bf16 shapes that the
 CUDA-graph decoder runs on ``vllm-fa3-mla`` and whose FA3 plan the route now replans into
 one wave past the band (of spread >= ``S``: longest over mean KV tiles), then ``N``
 controls: shapes of the same kind the rule declines for their spread (default from
@@ -11,8 +11,11 @@ controls: shapes of the same kind the rule declines for their spread (default fr
 lengths, as for the random sets). Draw: heads 8-128, q_len 1-4, up to 132 query tiles
 (each request fits the grid unsplit), longest request log-uniform in 256-16k tokens,
 lengths uniform or uniform in ``[lo x ctx, ctx]`` (``lo`` drawn in 0.6-0.95 or in
-``--lo-min``-0.6). Lists ``shapes/one-wave-301.txt`` and ``-302.txt`` (run 180) were drawn
-with the spread bound at 1.25 and controls of 1.25-1.6 (the script at 68654bf).
+``--lo-min``-0.6), pages of ``--block`` tokens (64). Lists ``shapes/one-wave-301.txt`` and
+``-302.txt`` (run 180) were drawn with the spread bound at 1.25 and controls of 1.25-1.6
+(the script at 68654bf); lists up to ``-304.txt`` with case seeds ``1000 x SEED + i``, which
+overlap another seed's past 1000 draws (``-304.txt`` holds 305xxx), since then
+``1_000_000 x SEED + i``.
 """
 
 from __future__ import annotations
@@ -49,8 +52,12 @@ def one_wave_plan(shape: tuple, lens: list[int]) -> tuple[bool, bool, float]:
             spread)
 
 
+#: Case seeds ``CASE_SEED_STRIDE x seed + i``: no two seeds' draws share one.
+CASE_SEED_STRIDE = 1_000_000
+
+
 def draw(seed: int, count: int, controls: int, control_spread: tuple[float, float],
-         lo_min: float, min_spread: float = 0.0) -> list[tuple[int, tuple]]:
+         lo_min: float, min_spread: float = 0.0, block: int = 64) -> list[tuple[int, tuple]]:
     """``count`` shapes the rule replans (of at least ``min_spread``) and ``controls`` it
     declines for their spread (within ``control_spread``)."""
     rng = random.Random(seed)
@@ -63,8 +70,8 @@ def draw(seed: int, count: int, controls: int, control_spread: tuple[float, floa
         b = rng.randint(max(2, 132 // (12 * tiles)), 132 // tiles)
         ctx = round(2 ** rng.uniform(8, 14))
         lo = rng.choice((None, rng.uniform(0.6, 0.95), rng.uniform(lo_min, 0.6)))
-        shape = (heads, b, ctx, "u" if lo is None else f"r{lo:.2f}", q, BF, 64)
-        case_seed = 1000 * seed + i
+        shape = (heads, b, ctx, "u" if lo is None else f"r{lo:.2f}", q, BF, block)
+        case_seed = CASE_SEED_STRIDE * seed + i
         g = torch.Generator(device="cpu").manual_seed(case_seed)
         replans, one_wave, spread = one_wave_plan(shape, case_lengths(shape[3], ctx, b, q, g))
         if replans and spread >= min_spread and len(found) < count:
@@ -85,9 +92,10 @@ def main() -> None:
     ap.add_argument("--lo-min", type=float, default=0.2)
     ap.add_argument("--min-spread", type=float, default=0.0,
                     help="only replanned shapes of at least this spread")
+    ap.add_argument("--block", type=int, default=64, help="tokens per KV page")
     args = ap.parse_args()
     for case_seed, shape in draw(args.seed, args.count, args.controls, args.control_spread,
-                                 args.lo_min, args.min_spread):
+                                 args.lo_min, args.min_spread, args.block):
         print(case_seed, shape_name(shape))
 
 

@@ -1023,8 +1023,11 @@ def test_one_wave_shapes_draws_what_the_route_replans_and_controls_it_declines()
     from trtllm_mla_plugin.ops import fa3_splits, policy
 
     cases = one_wave_shapes.draw(301, 4, 2, (1.5, 2.0), 0.0)
-    assert len(cases) == 6
-    for i, (case_seed, shape) in enumerate(cases):
+    paged_32 = one_wave_shapes.draw(301, 1, 0, (1.5, 2.0), 0.0, block=32)
+    assert len(cases) == 6 and paged_32[0][1][6] == 32
+    assert len({seed for seed, _ in cases}) == 6
+    assert all(301_000_000 < seed < 302_000_000 for seed, _ in cases)
+    for i, (case_seed, shape) in enumerate(cases[:4] + paged_32 + cases[4:]):
         heads, b, ctx, kind, q, _, block = shape
         g = torch.Generator(device="cpu").manual_seed(case_seed)
         lens = bench_decode.case_lengths(kind, ctx, b, q, g)
@@ -1034,7 +1037,7 @@ def test_one_wave_shapes_draws_what_the_route_replans_and_controls_it_declines()
         plan = fa3_splits.balanced_splits(kv_tiles, tiles, reserved, policy.HOPPER_SMS, rows,
                                           planned)
         spread = kv_tiles.max() / kv_tiles.mean()
-        if i < 4:
+        if i < 5:
             assert plan is not None and tiles * plan.sum() <= policy.HOPPER_SMS
             assert spread < fa3_splits.ONE_WAVE_MAX_SPREAD
         else:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,12 @@ WIDE_LENS = [(211 * i) % 2900 + 60 for i in range(128)]
 #: Requests finish in six waves, so the decode batch runs 128, 107, 85, 64, 43 and 21 wide:
 #: `cuda-splitk` under CUDA graphs from 33 requests on, vLLM's FA3 kernel below.
 WIDE_TOKENS = [8 * (1 + i % 6) for i in range(len(WIDE_LENS))]
+#: 100 requests of near-equal length (1000-1015 tokens, 16 KV tiles of 64) decoding
+#: together at 16 heads, captured at 104: FA3's own formula cuts every request in two
+#: (about 200 work tiles on 132 SMs, past the band), where the ``vllm-fa3-mla`` route
+#: runs them unsplit in one wave (``fa3_splits.one_wave_past_band``).
+EVEN_LENS = [1000 + i % 16 for i in range(100)]
+EVEN_TOKENS = 16
 
 
 def workload(name: str) -> dict[str, Any]:
@@ -169,6 +176,10 @@ def workload(name: str) -> dict[str, Any]:
         return {"name": name, "calls": [{
             "prompts": [prompt_ids(n, 3000 + i) for i, n in enumerate(SPEC_LENS)],
             "max_tokens": [SPEC_TOKENS] * len(SPEC_LENS)}]}
+    if name == "even":
+        return {"name": name, "calls": [{
+            "prompts": [prompt_ids(n, 6000 + i) for i, n in enumerate(EVEN_LENS)],
+            "max_tokens": [EVEN_TOKENS] * len(EVEN_LENS)}]}
     if name == "wide":
         return {"name": name, "calls": [{
             "prompts": [prompt_ids(n, 5000 + i) for i, n in enumerate(WIDE_LENS)],
@@ -191,10 +202,10 @@ def _trtllm(**llm: Any) -> dict[str, Any]:
     return {"attention_backend": "TRTLLM_MLA", **llm}
 
 
-def _wide(model: str, backend: str) -> EngineSpec:
+def _wide(model: str, backend: str, workloads: tuple[str, ...] = ("wide",)) -> EngineSpec:
     """The "wide" workload on ``backend``: 128 requests at once under CUDA graphs."""
     return EngineSpec(model, {"block_size": 64, "max_num_seqs": 128, "attention_backend": backend,
-                              "compilation_config": WIDE_GRAPHS}, workloads=("wide",))
+                              "compilation_config": WIDE_GRAPHS}, workloads=workloads)
 
 
 def _spec(kind: dict[str, Any], backend: str, num: int | None = None) -> dict[str, Any]:
@@ -230,13 +241,13 @@ ENGINES: dict[str, EngineSpec] = {
     # FLASHMLA pages 64 tokens only: block 32 is compared with TRITON_MLA.
     # 128 requests at once: the plugin's split-KV kernel under CUDA graphs.
     "trtllm-wide": _wide("main", "TRTLLM_MLA"),
-    "flashmla-wide": _wide("main", "FLASHMLA"),
+    "flashmla-wide": _wide("main", "FLASHMLA", ("wide", "even")),
     # The same with 8 heads (8 query rows per request), against vLLM's bf16 default on Hopper.
     "trtllm-wide-h8": _wide("h8", "TRTLLM_MLA"),
     "fa3-wide-h8": _wide("h8", "FLASH_ATTN_MLA"),
     # vLLM's FA3 kernel forced for the same 128 requests: its batches of >= 33 launch the
     # requests longest first inside vLLM's captured graphs.
-    "trtllm-wide-fa3": replace(_wide("main", "TRTLLM_MLA"),
+    "trtllm-wide-fa3": replace(_wide("main", "TRTLLM_MLA", ("wide", "even")),
                                env={"TRTLLM_MLA_DECODE_ROUTE": "vllm-fa3-mla"}),
     "trtllm-b32": EngineSpec("main", _trtllm(block_size=32, compilation_config=FAST_GRAPHS)),
     "triton-b32": EngineSpec("main", {"block_size": 32, "attention_backend": "TRITON_MLA",
@@ -564,6 +575,42 @@ def test_wide_batch_on_fa3_longest_first_matches_flashmla(engine):
     assert ours.route() == "vllm-fa3-mla", ours.route()
     assert_vllm_served(ref, "FLASHMLA")
     assert_same_generations(engine, ours, ref, "wide")
+
+
+def _even_batch_plans() -> tuple[float, float, np.ndarray | None]:
+    """For the "even" workload's first decode steps (every request decoding, in 104 graph
+    slots): FA3's own plan in waves of the H200's SMs, the band's bound, and the route's
+    splits (``None``: FA3's kept), as the ``vllm-fa3-mla`` route plans them under CUDA
+    graphs (longest first)."""
+    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits, policy
+    from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_splits
+
+    spec = DecodeSpec(16, 512, 64, 64, torch.bfloat16, torch.bfloat16, 0.1, 1)
+    lens = np.array(sorted((n + 1 for n in EVEN_LENS), reverse=True) + [0] * 4, np.int64)
+    host = torch.from_numpy(lens.astype(np.int32))
+    batch = DecodeBatch(torch.zeros(len(lens), 1, dtype=torch.int32), host, int(lens.max()),
+                        kv_tokens=int(lens.sum()), seq_lens_host=host)
+    reserved, planned = graph_splits(spec, batch, policy.HOPPER_SMS)
+    kv_tiles = -(-lens // policy.FA3_KV_TILE)
+    own = fa3_splits.fa3_splits(np.maximum(kv_tiles, 1), 1, planned, policy.HOPPER_SMS)
+    return (int(own.sum()) / policy.HOPPER_SMS, fa3_splits.spill_band(16, kv_tiles),
+            fa3_splits.balanced_splits(kv_tiles, 1, reserved, policy.HOPPER_SMS, 16.0,
+                                       planned))
+
+
+def test_even_batch_on_fa3_in_one_wave_matches_flashmla(engine):
+    """vLLM's FA3 kernel forced for 100 requests of near-equal length under CUDA graphs:
+    FA3's formula would spill two pieces a request past the band, the route writes one
+    piece a request (one wave) over FA3's scheduler metadata inside vLLM's captured graphs,
+    and the generations match FLASHMLA's."""
+    own_waves, band, splits = _even_batch_plans()
+    assert own_waves > band, (own_waves, band)  # the workload reaches the case
+    assert splits is not None and splits.max() == 1, splits
+    ours, ref = engine("trtllm-wide-fa3"), engine("flashmla-wide")
+    assert_plugin_served(ours)
+    assert ours.route() == "vllm-fa3-mla", ours.route()
+    assert_vllm_served(ref, "FLASHMLA")
+    assert_same_generations(engine, ours, ref, "even")
 
 
 def test_block_size_32_matches_triton_mla(engine):

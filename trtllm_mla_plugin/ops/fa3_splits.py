@@ -70,8 +70,10 @@ MIN_SPLIT_TILES = 16
 #: worst 1.03, the gain falling with the spread to 1.03x at 1.59). Checked on run 183 (80
 #: fresh shapes, seeds 303-304: 1.20x, worst 0.952; 1.14x at spreads of 1.25-1.5, long
 #: requests gaining least). Past 1.5 the plan forced still gained on run 183's 24 controls
-#: (1.14x, up to 1.91), which the grid's two ragged losses keep out until a rule tells them
-#: apart.
+#: (1.14x, up to 1.91), and on run 187's 64 fresh controls of 1.5-1.75 (1.17x on 64-token
+#: pages, 1.13x on 32, worst 0.982 at h128 b65 3.5k), which the grid's two ragged losses
+#: (and that shape, of their kind: a nearly full grid of long requests) keep out until a
+#: rule tells them apart.
 ONE_WAVE_MAX_SPREAD = 1.5
 #: Tile sizes tried, in KV tiles: about 8% apart, so the best is within 8% of any size.
 CANDIDATE_SIZES = np.unique(np.round(1.08 ** np.arange(0, 120)).astype(np.int64))

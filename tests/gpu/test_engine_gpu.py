@@ -148,7 +148,7 @@ WIDE_LENS = [(211 * i) % 2900 + 60 for i in range(128)]
 #: Requests finish in six waves, so the decode batch runs 128, 107, 85, 64, 43 and 21 wide:
 #: `cuda-splitk` under CUDA graphs from 33 requests on, vLLM's FA3 kernel below.
 WIDE_TOKENS = [8 * (1 + i % 6) for i in range(len(WIDE_LENS))]
-#: 100 requests of near-equal length (1000-1015 tokens, 16 KV tiles of 64) decoding
+#: 100 requests of near-equal length (1000-1015 tokens, 16-17 KV tiles of 64) decoding
 #: together at 16 heads, captured at 104: FA3's own formula cuts every request in two
 #: (about 200 work tiles on 132 SMs, past the band), where the ``vllm-fa3-mla`` route
 #: runs them unsplit in one wave (``fa3_splits.one_wave_past_band``).
@@ -246,7 +246,8 @@ ENGINES: dict[str, EngineSpec] = {
     "trtllm-wide-h8": _wide("h8", "TRTLLM_MLA"),
     "fa3-wide-h8": _wide("h8", "FLASH_ATTN_MLA"),
     # vLLM's FA3 kernel forced for the same 128 requests: its batches of >= 33 launch the
-    # requests longest first inside vLLM's captured graphs.
+    # requests longest first inside vLLM's captured graphs; and for the "even" batch, which
+    # the route plans in one wave.
     "trtllm-wide-fa3": replace(_wide("main", "TRTLLM_MLA", ("wide", "even")),
                                env={"TRTLLM_MLA_DECODE_ROUTE": "vllm-fa3-mla"}),
     "trtllm-b32": EngineSpec("main", _trtllm(block_size=32, compilation_config=FAST_GRAPHS)),

@@ -4,8 +4,9 @@
 [--control-spread LO HI]] [--lo-min LO] [--block P] > FILE`` prints ``COUNT`` bf16 shapes that the
 CUDA-graph decoder runs on ``vllm-fa3-mla`` and whose FA3 plan the route now replans into
 one wave past the band (of spread >= ``S``: longest over mean KV tiles), then ``N``
-controls: shapes of the same kind the rule declines for their spread (default from
-``ONE_WAVE_MAX_SPREAD`` to 2), to be timed with ``--extra-routes vllm-fa3-mla:balanced``
+controls: shapes of the same kind the rule declines for their spread or their longest
+request (``fa3_splits.one_wave_max_spread``; spreads from ``ONE_WAVE_MAX_SPREAD`` to 2 by
+default), to be timed with ``--extra-routes vllm-fa3-mla:balanced``
 (the plan the rule would have made). Each line is
 ``CASE_SEED SHAPE`` for ``bench_decode.py --shape-list FILE`` (the case seed draws the
 lengths, as for the random sets). Draw: heads 8-128, q_len 1-4, up to 132 query tiles

@@ -1039,6 +1039,6 @@ def test_one_wave_shapes_draws_what_the_route_replans_and_controls_it_declines()
         spread = kv_tiles.max() / kv_tiles.mean()
         if i < 5:
             assert plan is not None and tiles * plan.sum() <= policy.HOPPER_SMS
-            assert spread < fa3_splits.ONE_WAVE_MAX_SPREAD
+            assert spread < fa3_splits.one_wave_max_spread(int(kv_tiles.max()))
         else:
             assert plan is None and 1.5 <= spread < 2.0

@@ -114,7 +114,8 @@ def test_near_equal_batches_past_the_band_are_replanned_into_one_wave():
 
 def test_ragged_batches_past_the_band_keep_fa3s_plan():
     # Lengths of 6-63 KV tiles, longest 1.82x the mean (the grid's h128 b64 4k r, 1.7-2.0,
-    # ran 0.92-0.95x FA3's plan unsplit): FA3 spills 1.5 waves, and the plan is kept.
+    # ran 0.92-0.95x FA3's plan unsplit): FA3 spills 1.5 waves, and the plan is kept (the
+    # longest past ONE_WAVE_SHORT_MAX_TILES).
     kv_tiles = np.tile(np.arange(6, 64, 2), 3)[:64]
     assert kv_tiles.max() * kv_tiles.size > fa3_splits.ONE_WAVE_MAX_SPREAD * kv_tiles.sum()
     own_tiles = 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum()
@@ -123,6 +124,27 @@ def test_ragged_batches_past_the_band_keep_fa3s_plan():
     assert fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64) is None
     # Near-equal lengths, but more query tiles than SMs: no plan fits one wave.
     assert not fa3_splits.one_wave_past_band(np.full(67, 12), 2, SMS)
+
+
+def test_ragged_batches_of_short_requests_past_the_band_are_replanned_into_one_wave():
+    # 26 requests of 40 KV tiles (2560 tokens) and 40 of 10 at two 64-row query tiles: the
+    # longest 1.83x the mean, past ONE_WAVE_MAX_SPREAD, but at ONE_WAVE_SHORT_MAX_TILES.
+    # FA3 cuts the long ones in two (splits of 25 tiles): 184 work tiles, 1.39 waves.
+    kv_tiles = np.array([40] * 26 + [10] * 40)
+    assert kv_tiles.max() > fa3_splits.ONE_WAVE_MAX_SPREAD * kv_tiles.mean()
+    assert kv_tiles.max() == fa3_splits.ONE_WAVE_SHORT_MAX_TILES
+    assert 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum() == 184
+    plan = fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64)
+    assert plan is not None and (plan == 1).all()
+    # The same spread over longer requests (70 and 18 tiles): FA3's plan kept.
+    longer = np.array([70] * 26 + [18] * 40)
+    assert longer.max() > fa3_splits.ONE_WAVE_MAX_SPREAD * longer.mean()
+    assert 2 * fa3_splits.fa3_splits(longer, 2, 32, SMS).sum() > fa3_splits.SPILL * SMS
+    assert fa3_splits.balanced_splits(longer, 2, 32, SMS, 64) is None
+    # Past ONE_WAVE_SHORT_MAX_SPREAD (the longest 2.06x the mean): kept too.
+    wider = np.array([40] * 26 + [6] * 40)
+    assert wider.max() > fa3_splits.ONE_WAVE_SHORT_MAX_SPREAD * wider.mean()
+    assert not fa3_splits.one_wave_past_band(wider, 2, SMS)
 
 
 def test_short_requests_at_wide_query_tiles_are_not_cut_finer():

@@ -304,6 +304,10 @@ LENGTH_ORDER_CASES = [
     # Near-equal lengths FA3 cuts in two, 1.58 waves at 64-row tiles: past the band, the
     # route runs every request unsplit in one wave (``fa3_splits.one_wave_past_band``).
     (64, 2, [[300] * 52, [757] * 52, [700, 757, 690] * 17 + [757]], True),
+    # Past ONE_WAVE_MAX_SPREAD (the longest 1.8x the mean) over short requests (at most
+    # ONE_WAVE_SHORT_MAX_TILES): one wave too.
+    (64, 2, [[600] * 66, [2560] * 26 + [640] * 40, [2500, 600, 2450, 610, 620] * 13 + [2400]],
+     True),
 ]
 
 

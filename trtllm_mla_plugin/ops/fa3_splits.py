@@ -72,9 +72,19 @@ MIN_SPLIT_TILES = 16
 #: requests gaining least). Past 1.5 the plan forced still gained on run 183's 24 controls
 #: (1.14x, up to 1.91), and on run 187's 64 fresh controls of 1.5-1.75 (1.17x on 64-token
 #: pages, 1.13x on 32, worst 0.982 at h128 b65 3.5k), which the grid's two ragged losses
-#: (and that shape, of their kind: a nearly full grid of long requests) keep out until a
-#: rule tells them apart.
+#: (and that shape, of their kind: a nearly full grid of long requests) keep out, but for
+#: batches of short requests (``ONE_WAVE_SHORT_MAX_TILES``).
 ONE_WAVE_MAX_SPREAD = 1.5
+#: Batches whose longest request holds at most this many KV tiles (2560 tokens) take the
+#: one-wave plan up to ``ONE_WAVE_SHORT_MAX_SPREAD``. In one wave the busiest CTA runs the
+#: longest request alone, where FA3's plan runs it in two pieces, so what the one wave loses
+#: grows with the longest request's own length, while what it saves (the second wave's
+#: start, the partial outputs and their combine) does not. Fit on the 93 forced timings
+#: past a spread of 1.5 (runs 180, 183, 187: spreads 1.50-1.91, longest 28-66 tiles): the
+#: 66 whose longest held at most 40 tiles gained 1.181x on geomean, worst 1.060; the 27
+#: longer ones 1.074x, worst 0.982, as the grid's h128 b64 4k r (64 tiles) lost 0.92-0.96x.
+ONE_WAVE_SHORT_MAX_TILES = 40
+ONE_WAVE_SHORT_MAX_SPREAD = 2.0
 #: Tile sizes tried, in KV tiles: about 8% apart, so the best is within 8% of any size.
 CANDIDATE_SIZES = np.unique(np.round(1.08 ** np.arange(0, 120)).astype(np.int64))
 
@@ -132,15 +142,24 @@ def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, s
     return np.minimum(waves * largest, share + largest)
 
 
+def one_wave_max_spread(longest_tiles: int) -> float:
+    """The spread (longest over mean KV tiles) below which ``one_wave_past_band`` takes a
+    batch whose longest request holds ``longest_tiles`` KV tiles."""
+    return (ONE_WAVE_SHORT_MAX_SPREAD if longest_tiles <= ONE_WAVE_SHORT_MAX_TILES
+            else ONE_WAVE_MAX_SPREAD)
+
+
 def one_wave_past_band(kv_tiles: np.ndarray, query_tiles: int, sms: int) -> bool:
-    """Whether a batch FA3 spills past the band may still be replanned into one wave
-    (``ONE_WAVE_MAX_SPREAD``): every request fits the grid unsplit and the non-empty
-    requests' lengths ``kv_tiles`` ``[batch]`` (64-token KV tiles) are near-equal."""
+    """Whether a batch FA3 spills past the band may still be replanned into one wave: every
+    request fits the grid unsplit and the non-empty requests' lengths ``kv_tiles``
+    ``[batch]`` (64-token KV tiles) are near-equal (``one_wave_max_spread``)."""
     if query_tiles * kv_tiles.shape[0] > sms:
         return False
     filled = kv_tiles[kv_tiles > 0]
-    return filled.size > 0 and int(filled.max()) * filled.size < (
-        ONE_WAVE_MAX_SPREAD * int(filled.sum()))
+    if filled.size == 0:
+        return False
+    longest = int(filled.max())
+    return longest * filled.size < one_wave_max_spread(longest) * int(filled.sum())
 
 
 def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms: int,

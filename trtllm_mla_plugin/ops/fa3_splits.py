@@ -83,6 +83,9 @@ ONE_WAVE_MAX_SPREAD = 1.5
 #: past a spread of 1.5 (runs 180, 183, 187: spreads 1.50-1.91, longest 28-66 tiles): the
 #: 66 whose longest held at most 40 tiles gained 1.181x on geomean, worst 1.060; the 27
 #: longer ones 1.074x, worst 0.982, as the grid's h128 b64 4k r (64 tiles) lost 0.92-0.96x.
+#: Checked on run 193 (lists drawn after the fit): 40 fresh shapes taken at spreads of
+#: 1.50-1.96, 1.133x, worst 0.968; 24 declined controls of longer requests 1.028x, and
+#: 0.983x at spreads of 1.75-2 (0.90-0.93x with the longest at 47-48 tiles).
 ONE_WAVE_SHORT_MAX_TILES = 40
 ONE_WAVE_SHORT_MAX_SPREAD = 2.0
 #: Tile sizes tried, in KV tiles: about 8% apart, so the best is within 8% of any size.

@@ -16,10 +16,11 @@ whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV tile
 they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one wave or more than
 1.35: 0.80-1.09x FA3's own; run 169, longest first: slower on 4 of 5 shapes of <= 48 query
 rows past 1.5 waves and on 18 of 19 of 64-row tiles past 1.35), but for one kind of plan:
-where every request fits the grid unsplit and the lengths are near-equal, fewer pieces than
-FA3's in one wave save the second wave's start and the combine (``one_wave_past_band``,
-runs 169-183). The route writes the result over the ``num_splits_dynamic`` vector of FA3's
-scheduler metadata, which the kernel and FA3's combine read per request.
+where every request fits the grid unsplit and the lengths are near-equal (or, for short
+requests, within 2x), fewer pieces than FA3's in one wave save the second wave's start and
+the combine (``one_wave_past_band``, runs 169-193). The route writes the result over the
+``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel and FA3's
+combine read per request.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ ONE_WAVE_MAX_SPREAD = 1.5
 #: longest request alone, where FA3's plan runs it in two pieces, so what the one wave loses
 #: grows with the longest request's own length, while what it saves (the second wave's
 #: start, the partial outputs and their combine) does not. Fit on the 93 forced timings
-#: past a spread of 1.5 (runs 180, 183, 187: spreads 1.50-1.91, longest 28-66 tiles): the
+#: past a spread of 1.5 (runs 180, 183, 187: spreads 1.50-1.91, longest 7-66 tiles): the
 #: 66 whose longest held at most 40 tiles gained 1.181x on geomean, worst 1.060; the 27
 #: longer ones 1.074x, worst 0.982, as the grid's h128 b64 4k r (64 tiles) lost 0.92-0.96x.
 #: Checked on run 193 (lists drawn after the fit): 40 fresh shapes taken at spreads of

@@ -7,6 +7,7 @@ random sets' filters and ``graph_routes_ab``'s alternation."""
 from __future__ import annotations
 
 import argparse
+import csv
 import io
 import json
 import math
@@ -1042,3 +1043,47 @@ def test_one_wave_shapes_draws_what_the_route_replans_and_controls_it_declines()
             assert spread < fa3_splits.one_wave_max_spread(int(kv_tiles.max()))
         else:
             assert plan is None and 1.5 <= spread < 2.0
+
+
+def test_one_wave_replay_scores_forced_one_wave_plans_and_the_rule_that_takes_them(tmp_path):
+    """``one_wave_replay.py``: of three batches past the band, the two whose forced plan runs
+    in one wave are scored (FA3's own plan over the forced one), split by whether the rule
+    takes them (longest 40 KV tiles at spread 1.83: taken; 44 tiles: declined); a batch in
+    one wave by FA3's own plan is left out; ``as_run`` scores taken ones on the route's row."""
+    import one_wave_replay
+
+    short = ("h64 b66 2560 r0.25 q2 bf16 p64", [2560] * 26 + [640] * 40)
+    longer = ("h64 b66 2816 r0.25 q2 bf16 p64", [2816] * 26 + [704] * 40)
+    even = ("h64 b66 700 u q2 bf16 p64", [700] * 66)
+    shapes = tmp_path / "shapes.jsonl"
+    shapes.write_text("".join(json.dumps({"shape": s, "lens": lens}) + "\n"
+                              for s, lens in (short, longer, even)))
+    timings = {short[0]: {"vllm-fa3-mla-own": 120.0, "route:vllm-fa3-mla:balanced": 100.0,
+                          "vllm-fa3-mla": 96.0, "peer:vllm-fa3-mla": 130.0,
+                          "peer:vllm-flashmla": 125.0, "plugin-graph[vllm-fa3-mla]": 100.0},
+               longer[0]: {"vllm-fa3-mla-own": 95.0, "route:vllm-fa3-mla:balanced": 100.0,
+                           "vllm-fa3-mla": 95.0},
+               even[0]: {"vllm-fa3-mla-own": 50.0, "route:vllm-fa3-mla:balanced": 40.0,
+                         "vllm-fa3-mla": 50.0}}
+    path = tmp_path / "list.csv"
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["pass_no", "shape", "kernel", "status", "us"])
+        for shape, rows in timings.items():
+            for kernel, us in rows.items():
+                w.writerow([1, shape, kernel, "ok", us])
+    found = {t["shape"]: t for t in one_wave_replay.one_wave_timings(shapes, [path])}
+    assert set(found) == {short[0], longer[0]}
+    assert found[short[0]]["taken"] and found[short[0]]["longest"] == 40
+    assert found[short[0]]["ratio"] == pytest.approx(1.2)
+    # The faster of vLLM's calls (125 us) over the decoder's 100 and FA3's own plan's 120.
+    assert found[short[0]]["decoder"] == pytest.approx(1.25)
+    assert found[short[0]]["decoder_own"] == pytest.approx(125 / 120)
+    assert not found[longer[0]]["taken"] and found[longer[0]]["longest"] == 44
+    assert found[longer[0]]["spread"] == pytest.approx(44 / (26 * 44 + 40 * 11) * 66)
+    assert one_wave_replay.band_summary(list(found.values())) == [
+        ("taken", 1.75, 2.0, 1, pytest.approx(1.2), pytest.approx(1.2), 0),
+        ("declined", 1.75, 2.0, 1, pytest.approx(0.95), pytest.approx(0.95), 1)]
+    as_run = one_wave_replay.one_wave_timings(shapes, [path], as_run=True)
+    assert {t["shape"]: t["ratio"] for t in as_run} == {
+        short[0]: pytest.approx(120 / 96), longer[0]: pytest.approx(0.95)}

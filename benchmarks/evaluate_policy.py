@@ -124,6 +124,12 @@ def timed_rows(path: str) -> dict[str, dict[str, dict]]:
     return by
 
 
+def read_shapes_log(path: str) -> dict[str, list[int]]:
+    """Every shape's KV lengths from a run's ``shapes.jsonl`` (bench_decode.py writes it)."""
+    with open(path) as f:
+        return {(row := json.loads(line))["shape"]: row["lens"] for line in f if line.strip()}
+
+
 def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
            vs: str | None = None, node_us: float = 0.0,
            rows: dict[str, dict[str, dict]] | None = None) -> list[tuple[float, str, str]]:
@@ -271,10 +277,7 @@ def main(*argv: str) -> None:
     shapes_path, *paths = args
     lens: dict[str, list[int]] = defaultdict(list)  # "-": no lengths (the graph rule)
     if shapes_path != "-":
-        with open(shapes_path) as f:
-            for line in f:
-                d = json.loads(line)
-                lens[d["shape"]] = d["lens"]
+        lens.update(read_shapes_log(shapes_path))
     if search:
         print_graph_bounds_search(paths, check, lens, vs)
         return

@@ -23,16 +23,17 @@ makes past the band.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench_decode import parse_shape_name
-from evaluate_policy import GRAPH_ROW, timed_rows
+from evaluate_policy import GRAPH_ROW, read_shapes_log, timed_rows
 from one_wave_shapes import one_wave_plan
-from spill_band_replay import VARIANT, route_plan_inputs
+from spill_band_replay import VARIANT
+
+from trtllm_mla_plugin.ops.policy import FA3_KV_TILE
 
 OWN = "vllm-fa3-mla-own"
 ROUTE = "vllm-fa3-mla"
@@ -47,11 +48,7 @@ def one_wave_timings(shapes_path: Path, csv_paths: Sequence[Path],
     shape), ``spread``, ``longest`` (KV tiles), ``taken`` (by this checkout's rule), and
     where the file has the decoder's and vLLM's rows, ``decoder`` (the faster of vLLM's
     calls over the decoder as timed) and ``decoder_own`` (over FA3's own plan)."""
-    lens = {}
-    for line in shapes_path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            lens[row["shape"]] = row["lens"]
+    lens = read_shapes_log(str(shapes_path))
     found = []
     for path in csv_paths:
         for shape, ks in timed_rows(str(path)).items():
@@ -60,15 +57,15 @@ def one_wave_timings(shapes_path: Path, csv_paths: Sequence[Path],
             parsed = parse_shape_name(shape)
             taken, one_wave, spread = one_wave_plan(parsed, lens[shape])
             timed = ROUTE if as_run and taken else VARIANT
-            if not (one_wave or timed == ROUTE) or timed not in ks:
+            # The forced row timed the one-wave plan only where the best plan is one wave.
+            if (timed == VARIANT and not one_wave) or timed not in ks:
                 continue
-            heads, b, _ctx, _kind, q, _kvd, block = parsed
-            kv_tiles = route_plan_inputs(heads, b, q, block, lens[shape])[0]
             vllm = min((float(r["us"]) for n, r in ks.items() if n.startswith("peer:")),
                        default=math.nan)
             graph = next((float(r["us"]) for n, r in ks.items() if n.startswith(GRAPH_ROW)),
                          math.nan)
-            found.append(dict(shape=shape, spread=spread, longest=int(kv_tiles.max()),
+            found.append(dict(shape=shape, spread=spread,
+                              longest=-(-max(lens[shape]) // FA3_KV_TILE),
                               taken=taken,
                               ratio=float(ks[OWN]["us"]) / float(ks[timed]["us"]),
                               decoder=vllm / graph, decoder_own=vllm / float(ks[OWN]["us"])))
@@ -86,8 +83,7 @@ def band_summary(timings: Sequence[dict]) -> list[tuple[str, float, float, int, 
                       if t["taken"] == taken and lo <= t["spread"] < hi]
             if ratios:
                 out.append((label, lo, hi, len(ratios), statistics.geometric_mean(ratios),
-                            min(ratios),
-                            sum(r < 1.0 for r in ratios)))
+                            min(ratios), sum(r < 1.0 for r in ratios)))
     return out
 
 

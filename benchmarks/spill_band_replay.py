@@ -26,7 +26,6 @@ launches them (``--caller-order``: every batch as given).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import statistics
@@ -34,7 +33,7 @@ import statistics
 import bench_decode
 import numpy as np
 import torch
-from evaluate_policy import GRAPH_ROW, ratios, summary, timed_rows
+from evaluate_policy import GRAPH_ROW, ratios, read_shapes_log, summary, timed_rows
 
 from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits, policy
 from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_splits
@@ -122,11 +121,7 @@ def main(*argv: str) -> None:
                     help="FA3 planned every batch in the caller's order (runs before 158)")
     args = ap.parse_args(argv)
     variant, paths = args.variant, args.files
-    if args.shapes == "seeds":
-        lens = seed_lengths(paths)
-    else:
-        with open(args.shapes) as f:
-            lens = {(s := json.loads(line))["shape"]: s["lens"] for line in f}
+    lens = seed_lengths(paths) if args.shapes == "seeds" else read_shapes_log(args.shapes)
     before: dict[str, list[float]] = {"random": [], "grid": []}
     after: dict[str, list[float]] = {"random": [], "grid": []}
     plans: dict[str, dict] = {}

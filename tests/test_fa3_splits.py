@@ -147,6 +147,24 @@ def test_ragged_batches_of_short_requests_past_the_band_are_replanned_into_one_w
     assert not fa3_splits.one_wave_past_band(wider, 2, SMS)
 
 
+def test_longer_requests_past_the_band_take_one_wave_up_to_a_spread_of_1_65():
+    # 26 requests of 60 KV tiles (3840 tokens) and 40 of 22 at two 64-row query tiles: the
+    # longest 1.62x the mean, past ONE_WAVE_SHORT_MAX_TILES, under ONE_WAVE_MAX_SPREAD. FA3
+    # cuts the long ones in two and the short ones too (splits of 21 tiles): 184 work
+    # tiles, 1.39 waves, past SPILL. Unsplit, the 132 tiles run in one wave.
+    kv_tiles = np.array([60] * 26 + [22] * 40)
+    assert kv_tiles.max() > fa3_splits.ONE_WAVE_SHORT_MAX_TILES
+    assert 1.6 * kv_tiles.mean() < kv_tiles.max() < fa3_splits.ONE_WAVE_MAX_SPREAD * kv_tiles.mean()
+    assert 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum() == 184
+    plan = fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64)
+    assert plan is not None and (plan == 1).all()
+    # Two more short requests in place of long ones: the longest 1.67x the mean, kept.
+    wider = np.array([60] * 24 + [22] * 42)
+    assert wider.max() > fa3_splits.ONE_WAVE_MAX_SPREAD * wider.mean()
+    assert 2 * fa3_splits.fa3_splits(wider, 2, 32, SMS).sum() > fa3_splits.SPILL * SMS
+    assert fa3_splits.balanced_splits(wider, 2, 32, SMS, 64) is None
+
+
 def test_short_requests_at_wide_query_tiles_are_not_cut_finer():
     # 172 requests of 11 KV tiles at 48 rows a tile: FA3 gives each one split (172 work
     # tiles, in the band), and a finer cut would leave pieces under MIN_SPLIT_TILES.

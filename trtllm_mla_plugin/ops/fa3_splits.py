@@ -16,11 +16,11 @@ whose tiles fill the grid best by ``estimated_span`` (a request of ``n`` KV tile
 they gained (run 153, 44 shapes at 64-row query tiles that FA3 gives one wave or more than
 1.35: 0.80-1.09x FA3's own; run 169, longest first: slower on 4 of 5 shapes of <= 48 query
 rows past 1.5 waves and on 18 of 19 of 64-row tiles past 1.35), but for one kind of plan:
-where every request fits the grid unsplit and the lengths are near-equal (or, for short
-requests, within 2x), fewer pieces than FA3's in one wave save the second wave's start and
-the combine (``one_wave_past_band``, runs 169-193). The route writes the result over the
-``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel and FA3's
-combine read per request.
+where every request fits the grid unsplit and the lengths are near-equal (the longest within
+1.65x the mean; 2x for short requests), fewer pieces than FA3's in one wave save the second
+wave's start and the combine (``one_wave_past_band``, runs 169-197). The route writes the
+result over the ``num_splits_dynamic`` vector of FA3's scheduler metadata, which the kernel
+and FA3's combine read per request.
 """
 
 from __future__ import annotations
@@ -74,8 +74,13 @@ MIN_SPLIT_TILES = 16
 #: (1.14x, up to 1.91), and on run 187's 64 fresh controls of 1.5-1.75 (1.17x on 64-token
 #: pages, 1.13x on 32, worst 0.982 at h128 b65 3.5k), which the grid's two ragged losses
 #: (and that shape, of their kind: a nearly full grid of long requests) keep out, but for
-#: batches of short requests (``ONE_WAVE_SHORT_MAX_TILES``).
-ONE_WAVE_MAX_SPREAD = 1.5
+#: batches of short requests (``ONE_WAVE_SHORT_MAX_TILES``) and up to 1.65: the forced
+#: plans of longer requests at spreads of 1.5-1.65 gained 1.087x over 30 timings (runs
+#: 180-193, worst 1.010), at 1.65-1.75 1.025x (3 of 9 under 1.0). Checked on run 197 (64
+#: fresh shapes of 1.50-1.65, longest 41-69 tiles, drawn before the change): 1.086x, worst
+#: 0.993 (2 under 1.0), the gain falling with the spread (1.103x at 1.50-1.55, 1.071x at
+#: 1.60-1.65).
+ONE_WAVE_MAX_SPREAD = 1.65
 #: Batches whose longest request holds at most this many KV tiles (2560 tokens) take the
 #: one-wave plan up to ``ONE_WAVE_SHORT_MAX_SPREAD``. In one wave the busiest CTA runs the
 #: longest request alone, where FA3's plan runs it in two pieces, so what the one wave loses

@@ -1087,3 +1087,24 @@ def test_one_wave_replay_scores_forced_one_wave_plans_and_the_rule_that_takes_th
     as_run = one_wave_replay.one_wave_timings(shapes, [path], as_run=True)
     assert {t["shape"]: t["ratio"] for t in as_run} == {
         short[0]: pytest.approx(120 / 96), longer[0]: pytest.approx(0.95)}
+
+
+def test_engine_steps_replay_names_the_plan_of_every_decode_step():
+    """``engine_steps_replay.py``: the decode steps of a batch are planned on their growing
+    lengths; 26 requests of 60 KV tiles and 40 of 22 at 128 heads (spread 1.62, FA3's plan
+    1.39 waves) run in one wave past the band, 66 equal requests of 22 tiles keep FA3's
+    plan (one wave already), and 44 requests of 38 tiles with 20 of 64 (FA3 cuts the long
+    ones in two: 1.27 waves, inside the band) are replanned in the band."""
+    import engine_steps_replay as replay
+
+    steps = replay.replay_steps(128, 64, [3830] * 26 + [1398] * 40, 4)
+    assert [s["kind"] for s in steps] == [replay.ONE_WAVE] * 4
+    assert steps[-1]["longest"] == 60
+    assert steps[-1]["spread"] == pytest.approx(60 * 66 / (26 * 60 + 40 * 22))
+    assert steps[-1]["waves"] == pytest.approx(184 / 132)
+    even = replay.replay_steps(128, 64, [1400] * 66, 2)
+    assert [s["kind"] for s in even] == [replay.KEEP] * 2
+    assert even[0]["waves"] == pytest.approx(1.0)
+    band = replay.replay_steps(128, 64, [2400] * 44 + [4090] * 20, 2)
+    assert band[0]["waves"] == pytest.approx(2 * (44 + 2 * 20) / 132)
+    assert [s["kind"] for s in band] == [replay.BAND] * 2

@@ -126,6 +126,20 @@ def test_ragged_batches_past_the_band_keep_fa3s_plan():
     assert not fa3_splits.one_wave_past_band(np.full(67, 12), 2, SMS)
 
 
+def assert_unsplit_in_one_wave(kv_tiles: np.ndarray, fa3_work_tiles: int) -> None:
+    """At two 64-row query tiles a request, FA3's plan holds ``fa3_work_tiles`` and the
+    route replaces it with every request unsplit, in one wave."""
+    assert 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum() == fa3_work_tiles
+    plan = fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64)
+    assert plan is not None and (plan == 1).all()
+
+
+def assert_fa3_plan_kept_past_the_band(kv_tiles: np.ndarray) -> None:
+    """At two 64-row query tiles a request, FA3's plan spills past SPILL and is kept."""
+    assert 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum() > fa3_splits.SPILL * SMS
+    assert fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64) is None
+
+
 def test_ragged_batches_of_short_requests_past_the_band_are_replanned_into_one_wave():
     # 26 requests of 40 KV tiles (2560 tokens) and 40 of 10 at two 64-row query tiles: the
     # longest 1.83x the mean, past ONE_WAVE_MAX_SPREAD, but at ONE_WAVE_SHORT_MAX_TILES.
@@ -133,14 +147,11 @@ def test_ragged_batches_of_short_requests_past_the_band_are_replanned_into_one_w
     kv_tiles = np.array([40] * 26 + [10] * 40)
     assert kv_tiles.max() > fa3_splits.ONE_WAVE_MAX_SPREAD * kv_tiles.mean()
     assert kv_tiles.max() == fa3_splits.ONE_WAVE_SHORT_MAX_TILES
-    assert 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum() == 184
-    plan = fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64)
-    assert plan is not None and (plan == 1).all()
+    assert_unsplit_in_one_wave(kv_tiles, 184)
     # The same spread over longer requests (70 and 18 tiles): FA3's plan kept.
     longer = np.array([70] * 26 + [18] * 40)
     assert longer.max() > fa3_splits.ONE_WAVE_MAX_SPREAD * longer.mean()
-    assert 2 * fa3_splits.fa3_splits(longer, 2, 32, SMS).sum() > fa3_splits.SPILL * SMS
-    assert fa3_splits.balanced_splits(longer, 2, 32, SMS, 64) is None
+    assert_fa3_plan_kept_past_the_band(longer)
     # Past ONE_WAVE_SHORT_MAX_SPREAD (the longest 2.06x the mean): kept too.
     wider = np.array([40] * 26 + [6] * 40)
     assert wider.max() > fa3_splits.ONE_WAVE_SHORT_MAX_SPREAD * wider.mean()
@@ -150,19 +161,16 @@ def test_ragged_batches_of_short_requests_past_the_band_are_replanned_into_one_w
 def test_longer_requests_past_the_band_take_one_wave_up_to_a_spread_of_1_65():
     # 26 requests of 60 KV tiles (3840 tokens) and 40 of 22 at two 64-row query tiles: the
     # longest 1.62x the mean, past ONE_WAVE_SHORT_MAX_TILES, under ONE_WAVE_MAX_SPREAD. FA3
-    # cuts the long ones in two and the short ones too (splits of 21 tiles): 184 work
-    # tiles, 1.39 waves, past SPILL. Unsplit, the 132 tiles run in one wave.
+    # cuts the long ones in two (splits of 41 tiles): 184 work tiles, 1.39 waves, past
+    # SPILL. Unsplit, the 132 tiles run in one wave.
     kv_tiles = np.array([60] * 26 + [22] * 40)
     assert kv_tiles.max() > fa3_splits.ONE_WAVE_SHORT_MAX_TILES
     assert 1.6 * kv_tiles.mean() < kv_tiles.max() < fa3_splits.ONE_WAVE_MAX_SPREAD * kv_tiles.mean()
-    assert 2 * fa3_splits.fa3_splits(kv_tiles, 2, 32, SMS).sum() == 184
-    plan = fa3_splits.balanced_splits(kv_tiles, 2, 32, SMS, 64)
-    assert plan is not None and (plan == 1).all()
+    assert_unsplit_in_one_wave(kv_tiles, 184)
     # Two more short requests in place of long ones: the longest 1.67x the mean, kept.
     wider = np.array([60] * 24 + [22] * 42)
     assert wider.max() > fa3_splits.ONE_WAVE_MAX_SPREAD * wider.mean()
-    assert 2 * fa3_splits.fa3_splits(wider, 2, 32, SMS).sum() > fa3_splits.SPILL * SMS
-    assert fa3_splits.balanced_splits(wider, 2, 32, SMS, 64) is None
+    assert_fa3_plan_kept_past_the_band(wider)
 
 
 def test_short_requests_at_wide_query_tiles_are_not_cut_finer():

@@ -308,7 +308,7 @@ LENGTH_ORDER_CASES = [
     # ONE_WAVE_SHORT_MAX_TILES): one wave too.
     (64, 2, [[600] * 66, [2560] * 26 + [640] * 40, [2500, 600, 2450, 610, 620] * 13 + [2400]],
      True),
-    # Longer requests (60 KV tiles) at a spread of 1.62, under ONE_WAVE_MAX_SPREAD: one wave.
+    # Longer requests (60 KV tiles) at spreads of 1.61-1.62, under ONE_WAVE_MAX_SPREAD: one wave.
     (128, 1, [[1400] * 66, [3840] * 26 + [1408] * 40, [3800, 1400, 1390, 3790, 1420] * 13
               + [1380]], True),
 ]

@@ -1108,3 +1108,44 @@ def test_engine_steps_replay_names_the_plan_of_every_decode_step():
     band = replay.replay_steps(128, 64, [2400] * 44 + [4090] * 20, 2)
     assert band[0]["waves"] == pytest.approx(2 * (44 + 2 * 20) / 132)
     assert [s["kind"] for s in band] == [replay.BAND] * 2
+
+
+def test_graph_rows_table_groups_the_decoder_and_forced_routes_by_rows_and_batch(tmp_path):
+    """``graph_rows_table.py``: bf16 shapes on 64-token pages grouped by query rows per
+    request and batch band, each scored as the faster of vLLM's calls over its time; pages
+    of 32 tokens and FP8 shapes left out; a shape timed in two files counts twice."""
+    import graph_rows_table as table
+
+    timings = {
+        "h64 b36 4000 u q3 bf16 p64": {"plugin-graph[vllm-fa3-mla]": 110.0,
+                                       "vllm-fa3-mla": 108.0, "flashmla": 95.0,
+                                       "peer:vllm-fa3-mla": 105.0, "peer:vllm-flashmla": 100.0},
+        "h64 b44 4000 u q3 bf16 p64": {"plugin-graph[vllm-fa3-mla]": 80.0,
+                                       "vllm-fa3-mla": 80.0, "flashmla": 90.0,
+                                       "peer:vllm-flashmla": 88.0},
+        "h64 b36 4000 u q3 bf16 p32": {"plugin-graph[vllm-fa3-mla]": 50.0,
+                                       "peer:vllm-fa3-mla": 60.0},
+        "h64 b36 4000 u q3 fp8 p64": {"plugin-graph[flashmla-fp8]": 50.0,
+                                      "peer:vllm-flashmla-fp8": 60.0},
+    }
+    paths = []
+    for run in (1, 2):
+        path = tmp_path / f"run{run}.csv"
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["pass_no", "shape", "kernel", "status", "us"])
+            for shape, rows in timings.items():
+                for kernel, us in rows.items():
+                    w.writerow([1, shape, kernel, "ok", us])
+        paths.append(str(path))
+    assert table.batch_band(36) == (33, 40) and table.batch_band(44) == (41, 48)
+    lines = table.group_table(table.graph_timings(paths))
+    assert [(x["rows"], x["band"], x["shapes"]) for x in lines] == [
+        (192, (33, 40), 2), (192, (41, 48), 2)]
+    narrow, wide = lines
+    assert narrow["decoders"] == {"vllm-fa3-mla": 2}
+    assert narrow["plugin-graph"] == (pytest.approx(100 / 110), 2, 2)
+    assert narrow["flashmla"] == (pytest.approx(100 / 95), 0, 2)
+    assert narrow["vllm-fa3-mla"] == (pytest.approx(100 / 108), 2, 2)
+    assert wide["plugin-graph"] == (pytest.approx(88 / 80), 0, 2)
+    assert wide["flashmla"] == (pytest.approx(88 / 90), 2, 2)

@@ -1,0 +1,97 @@
+"""The CUDA-graph decoder and the two routes it picks between, by query rows and batch size.
+
+``python benchmarks/graph_rows_table.py [--block P] [--rows R[,R...]] FILE.csv ...`` reads
+bench_decode.py output timed with ``--graph-only`` (the decoder's ``plugin-graph[...]`` row,
+the routes forced, vLLM's calls as ``peer:`` rows) and, for the bf16 shapes on pages of
+``--block`` tokens (64), groups them by query rows per request (heads x query tokens; only
+``--rows`` if given) and batch band (``BATCH_BANDS``). Per group: shapes, the routes the
+decoder ran, and for the decoder and for each of ``evaluate_policy.ORACLE_ROWS`` forced
+(``vllm-fa3-mla``, ``flashmla``) the geometric mean of the faster of vLLM's calls over its
+time (> 1: faster than vLLM) and how many shapes are under 1.0. A group where a forced
+route beats the decoder is a candidate for the graph rule (``ops.policy``), to be checked
+on fresh draws (``bench_decode.py --random ... --random-request-rows R --random-batches
+LO-HI``) before any change. Each file's timings count apart: a shape timed in two runs
+counts twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+from bench_decode import parse_shape_name
+from evaluate_policy import GRAPH_ROW, ORACLE_ROWS, timed_rows
+
+#: Batch bands of the table, inclusive: the graph rule's bounds fall on their edges
+#: (32 requests, 132 SMs' worth of 64-row query tiles at one or two tiles a request, 256).
+BATCH_BANDS = ((1, 32), (33, 40), (41, 48), (49, 64), (65, 96), (97, 132), (133, 256),
+               (257, 1024))
+
+
+def batch_band(batch: int) -> tuple[int, int]:
+    """The ``BATCH_BANDS`` band holding ``batch``."""
+    return next(band for band in BATCH_BANDS if band[0] <= batch <= band[1])
+
+
+def graph_timings(paths: Sequence[str], block: int = 64) -> list[dict]:
+    """Per bf16 shape timed with the decoder and vLLM's calls, on pages of ``block``
+    tokens: ``rows`` (per request), ``batch``, ``decoder`` (its route), and the faster of
+    vLLM's calls over the decoder's time (``plugin-graph``) and over each forced route's
+    where timed (``vllm-fa3-mla``, ``flashmla``)."""
+    found = []
+    for path in paths:
+        for shape, ks in timed_rows(path).items():
+            heads, batch, _ctx, _kind, q_len, kv, page = parse_shape_name(shape)
+            graph = next((n for n in ks if n.startswith(GRAPH_ROW)), None)
+            peers = [float(r["us"]) for n, r in ks.items() if n.startswith("peer:")]
+            if kv != "bf16" or page != block or graph is None or not peers:
+                continue
+            vllm = min(peers)
+            timing = dict(rows=heads * q_len, batch=batch, decoder=graph[len(GRAPH_ROW) + 1:-1],
+                          **{GRAPH_ROW: vllm / float(ks[graph]["us"])})
+            timing.update({n: vllm / float(ks[n]["us"]) for n in ORACLE_ROWS if n in ks})
+            found.append(timing)
+    return found
+
+
+def group_table(timings: Sequence[dict]) -> list[dict]:
+    """Per (rows, batch band), in that order: ``rows``, ``band``, ``shapes``, ``decoders``
+    (route: shapes) and, for the decoder and each forced route, ``(geomean, under 1.0,
+    shapes timed)``."""
+    groups: dict[tuple[int, tuple[int, int]], list[dict]] = defaultdict(list)
+    for t in timings:
+        groups[(t["rows"], batch_band(t["batch"]))].append(t)
+    table = []
+    for (rows, band), group in sorted(groups.items()):
+        line = dict(rows=rows, band=band, shapes=len(group),
+                    decoders=dict(Counter(t["decoder"] for t in group)))
+        for name in (GRAPH_ROW, *ORACLE_ROWS):
+            values = [t[name] for t in group if name in t]
+            line[name] = ((math.exp(sum(map(math.log, values)) / len(values)),
+                           sum(v < 1.0 for v in values), len(values)) if values else None)
+        table.append(line)
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--block", type=int, default=64, help="tokens per KV page")
+    ap.add_argument("--rows", default="", help="comma-separated query rows per request")
+    args = ap.parse_args()
+    keep = {int(r) for r in args.rows.split(",") if r}
+    timings = [t for t in graph_timings(args.files, args.block) if not keep or t["rows"] in keep]
+    print("rows  batch     shapes  " + "  ".join(f"{n:>22}" for n in (GRAPH_ROW, *ORACLE_ROWS))
+          + "  decoder's routes")
+    for line in group_table(timings):
+        cells = ["{:.3f} ({:2d} < 1 of {:3d})".format(*line[n]) if line[n] else f"{'-':>22}"
+                 for n in (GRAPH_ROW, *ORACLE_ROWS)]
+        routes = ", ".join(f"{r} {c}" for r, c in line["decoders"].items())
+        print(f"{line['rows']:4d}  {line['band'][0]:>4}-{line['band'][1]:<4} {line['shapes']:6d}  "
+              + "  ".join(cells) + f"  {routes}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1045,6 +1045,18 @@ def test_one_wave_shapes_draws_what_the_route_replans_and_controls_it_declines()
             assert plan is None and 1.5 <= spread < 2.0
 
 
+def write_timings_csv(path: Path, timings: dict[str, dict[str, float]]) -> Path:
+    """A bench_decode.py CSV at ``path`` of first-pass ``ok`` rows: ``{shape: {kernel:
+    us}}``."""
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["pass_no", "shape", "kernel", "status", "us"])
+        for shape, rows in timings.items():
+            for kernel, us in rows.items():
+                w.writerow([1, shape, kernel, "ok", us])
+    return path
+
+
 def test_one_wave_replay_scores_forced_one_wave_plans_and_the_rule_that_takes_them(tmp_path):
     """``one_wave_replay.py``: of three batches past the band, the two whose forced plan runs
     in one wave are scored (FA3's own plan over the forced one), split by whether the rule
@@ -1065,13 +1077,7 @@ def test_one_wave_replay_scores_forced_one_wave_plans_and_the_rule_that_takes_th
                            "vllm-fa3-mla": 95.0},
                even[0]: {"vllm-fa3-mla-own": 50.0, "route:vllm-fa3-mla:balanced": 40.0,
                          "vllm-fa3-mla": 50.0}}
-    path = tmp_path / "list.csv"
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["pass_no", "shape", "kernel", "status", "us"])
-        for shape, rows in timings.items():
-            for kernel, us in rows.items():
-                w.writerow([1, shape, kernel, "ok", us])
+    path = write_timings_csv(tmp_path / "list.csv", timings)
     found = {t["shape"]: t for t in one_wave_replay.one_wave_timings(shapes, [path])}
     assert set(found) == {short[0], longer[0]}
     assert found[short[0]]["taken"] and found[short[0]]["longest"] == 40
@@ -1128,16 +1134,7 @@ def test_graph_rows_table_groups_the_decoder_and_forced_routes_by_rows_and_batch
         "h64 b36 4000 u q3 fp8 p64": {"plugin-graph[flashmla-fp8]": 50.0,
                                       "peer:vllm-flashmla-fp8": 60.0},
     }
-    paths = []
-    for run in (1, 2):
-        path = tmp_path / f"run{run}.csv"
-        with path.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["pass_no", "shape", "kernel", "status", "us"])
-            for shape, rows in timings.items():
-                for kernel, us in rows.items():
-                    w.writerow([1, shape, kernel, "ok", us])
-        paths.append(str(path))
+    paths = [str(write_timings_csv(tmp_path / f"run{run}.csv", timings)) for run in (1, 2)]
     assert table.batch_band(36) == (33, 40) and table.batch_band(44) == (41, 48)
     lines = table.group_table(table.graph_timings(paths))
     assert [(x["rows"], x["band"], x["shapes"]) for x in lines] == [

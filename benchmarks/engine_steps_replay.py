@@ -43,7 +43,7 @@ def step_plan(heads: int, block: int, lens: Sequence[int]) -> dict:
                                       planned)
     if plan is None:
         kind = KEEP
-    elif waves > fa3_splits.spill_band(round(tiles * rows), kv_tiles):
+    elif waves > fa3_splits.spill_band(heads, kv_tiles):  # one query token: heads rows
         kind = ONE_WAVE
     else:
         kind = BAND

@@ -130,6 +130,13 @@ def read_shapes_log(path: str) -> dict[str, list[int]]:
         return {(row := json.loads(line))["shape"]: row["lens"] for line in f if line.strip()}
 
 
+def vllm_peer_times(ks: dict[str, dict]) -> dict[str, float]:
+    """``{row: us}`` of a shape's ``timed_rows`` that time vLLM's own calls (``peer:``
+    rows, but the ``sorted`` variants of early runs, which no vLLM backend makes)."""
+    return {n: float(r["us"]) for n, r in ks.items()
+            if n.startswith("peer:") and "sorted" not in n}
+
+
 def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
            vs: str | None = None, node_us: float = 0.0,
            rows: dict[str, dict[str, dict]] | None = None) -> list[tuple[float, str, str]]:
@@ -138,8 +145,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
     ``timed_rows`` where already read."""
     out = []
     for shape, ks in (rows if rows is not None else timed_rows(path)).items():
-        peers = {n: float(r["us"]) for n, r in ks.items()
-                 if n.startswith("peer:") and "sorted" not in n}
+        peers = vllm_peer_times(ks)
         if vs is not None:
             peers = {n: t for n, t in peers.items() if n.startswith(vs)}
         if not peers:

@@ -17,12 +17,11 @@ counts twice.
 from __future__ import annotations
 
 import argparse
-import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from bench_decode import parse_shape_name
-from evaluate_policy import GRAPH_ROW, ORACLE_ROWS, timed_rows
+from evaluate_policy import GRAPH_ROW, ORACLE_ROWS, summary, timed_rows, vllm_peer_times
 
 #: Batch bands of the table, inclusive: the graph rule's bounds fall on their edges
 #: (32 requests, 132 SMs' worth of 64-row query tiles at one or two tiles a request, 256).
@@ -45,10 +44,10 @@ def graph_timings(paths: Sequence[str], block: int = 64) -> list[dict]:
         for shape, ks in timed_rows(path).items():
             heads, batch, _ctx, _kind, q_len, kv, page = parse_shape_name(shape)
             graph = next((n for n in ks if n.startswith(GRAPH_ROW)), None)
-            peers = [float(r["us"]) for n, r in ks.items() if n.startswith("peer:")]
+            peers = vllm_peer_times(ks)
             if kv != "bf16" or page != block or graph is None or not peers:
                 continue
-            vllm = min(peers)
+            vllm = min(peers.values())
             timing = dict(rows=heads * q_len, batch=batch, decoder=graph[len(GRAPH_ROW) + 1:-1],
                           **{GRAPH_ROW: vllm / float(ks[graph]["us"])})
             timing.update({n: vllm / float(ks[n]["us"]) for n in ORACLE_ROWS if n in ks})
@@ -69,8 +68,8 @@ def group_table(timings: Sequence[dict]) -> list[dict]:
                     decoders=dict(Counter(t["decoder"] for t in group)))
         for name in (GRAPH_ROW, *ORACLE_ROWS):
             values = [t[name] for t in group if name in t]
-            line[name] = ((math.exp(sum(map(math.log, values)) / len(values)),
-                           sum(v < 1.0 for v in values), len(values)) if values else None)
+            line[name] = ((summary(values)[0], sum(v < 1.0 for v in values), len(values))
+                          if values else None)
         table.append(line)
     return table
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench_decode import parse_shape_name
-from evaluate_policy import GRAPH_ROW, read_shapes_log, timed_rows
+from evaluate_policy import GRAPH_ROW, read_shapes_log, timed_rows, vllm_peer_times
 from one_wave_shapes import one_wave_plan
 from spill_band_replay import VARIANT
 
@@ -60,8 +60,7 @@ def one_wave_timings(shapes_path: Path, csv_paths: Sequence[Path],
             # The forced row timed the one-wave plan only where the best plan is one wave.
             if (timed == VARIANT and not one_wave) or timed not in ks:
                 continue
-            vllm = min((float(r["us"]) for n, r in ks.items() if n.startswith("peer:")),
-                       default=math.nan)
+            vllm = min(vllm_peer_times(ks).values(), default=math.nan)
             graph = next((float(r["us"]) for n, r in ks.items() if n.startswith(GRAPH_ROW)),
                          math.nan)
             found.append(dict(shape=shape, spread=spread,

@@ -468,6 +468,7 @@ def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
     (8, 4, 32),     # 32 rows a request: FA3 up to 1024 requests
     (32, 1, 32),
     (16, 3, 32),    # 48 rows: FA3 up to 256 requests
+    (128, 3, 8),    # 384 rows: 8 x 384 = 3072; FA3 again for 33-132 requests, not 133-256
 ])
 def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, heads, q_len,
                                                   largest_fa3_batch):
@@ -475,18 +476,20 @@ def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, 
     most VLLM_FA3_GRAPH_MAX_BATCH requests and VLLM_FA3_GRAPH_MAX_ROWS query rows (h128 q4
     b5-b9 ran 1.4x faster on FlashMLA in run 23) and batches of 33-256 requests
     (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``; 1024 at up to 32 rows a request,
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH``) but for requests of unevenly filled query
+    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH``; 132 at 384 rows,
+    ``VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH``) but for requests of unevenly filled query
     tiles (96 rows), FlashMLA the rest."""
     dec, _ = stub_decoder(monkeypatch, heads=heads, cuda_graph=True, q_len=q_len,
                           max_batch=1025)
-    for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 32, 33, 256, 257, 1024, 1025):
+    for b in (1, largest_fa3_batch, largest_fa3_batch + 1, 32, 33, 132, 133, 256, 257, 1024,
+              1025):
         lens = torch.full((b,), 4 * K, dtype=torch.int32)
         dec.plan(DecodeBatch(torch.zeros(b, 512, dtype=torch.int32), lens, 4 * K,
                              max_q_len=q_len, num_tokens=b * q_len))
         # 33-256 requests: vLLM's FA3 again, the requests longest first, except for the
         # 8-16-row batches cuda-splitk takes where it is present (FlashMLA behind it).
         rows = heads * q_len
-        ordered = (33 <= b <= (1024 if rows <= 32 else 256)
+        ordered = (33 <= b <= (1024 if rows <= 32 else 132 if 256 < rows <= 384 else 256)
                    and rows > policy.SPLITK_MAX_REQUEST_ROWS
                    and not (rows > 64 and rows % 64))
         expected = "vllm-fa3-mla" if b <= largest_fa3_batch or ordered else "flashmla"
@@ -580,6 +583,36 @@ def test_uneven_tiles_rule_holds_on_the_timed_shapes():
     assert sum(x <= 1 for x in large) <= 1, large
     assert math.fsum(map(math.log, large)) / len(large) > math.log(1.1), large
     assert math.fsum(map(math.log, small)) < 0, small
+
+
+def test_tall_requests_rule_holds_on_the_timed_shapes():
+    """Batches of 133-256 requests of 384 query rows (128 heads x 3 tokens) go to FlashMLA
+    under CUDA graphs, those of 33-132 to vLLM's FA3 kernel longest first: on run 211's
+    fresh shapes (seeds 400-411, every one of 133-256 requests, the decoder then on FA3)
+    the ``flashmla`` route forced ran faster than the ``vllm-fa3-mla`` route on geometric
+    mean by more than 3%, and its worst against the faster of vLLM's calls stayed above
+    FA3's. docs/bench-2026-12-04."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    from evaluate_policy import timed_rows, vllm_peer_times
+
+    s384 = spec(128, q_len=3)
+    picks = {b: next(n for n in policy.rank(s384, H200, BatchShape(b, 3))
+                     if n in ("vllm-fa3-mla", "flashmla")) for b in (33, 132, 133, 256)}
+    assert picks == {33: "vllm-fa3-mla", 132: "vllm-fa3-mla", 133: "flashmla",
+                     256: "flashmla"}
+    path = root / "docs" / "bench-2026-12-04" / "run211-graph-random-400-411.csv"
+    gains, fa3_worst, flashmla_worst = [], math.inf, math.inf
+    for ks in timed_rows(str(path)).values():
+        r = next(iter(ks.values()))
+        assert int(r["heads"]) * int(r["q_len"]) == 384 and 133 <= int(r["batch"]) <= 256
+        fa3, flashmla = (float(ks[n]["us"]) for n in ("vllm-fa3-mla", "flashmla"))
+        vllm = min(vllm_peer_times(ks).values())
+        gains.append(fa3 / flashmla)
+        fa3_worst, flashmla_worst = min(fa3_worst, vllm / fa3), min(flashmla_worst, vllm / flashmla)
+    assert len(gains) >= 20
+    assert math.fsum(map(math.log, gains)) / len(gains) > math.log(1.03), gains
+    assert flashmla_worst > fa3_worst
 
 
 def test_graph_rule_follows_the_paired_engine_rounds():

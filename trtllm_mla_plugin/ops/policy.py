@@ -229,6 +229,21 @@ VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 #: it keeps its own plan.
 VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
 VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
+#: Requests of VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS to VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS
+#: query rows (five or six full 64-row tiles; of 8-128 heads at 1-4 tokens only 128 heads x 3
+#: tokens = 384 rows) go to vLLM's FA3 kernel, longest first, in batches of up to this many
+#: requests (132 SMs' worth at one request per SM), FlashMLA above: compute-bound batches
+#: where FlashMLA's kernel did more per SM. Candidate from runs 177-197 (4 shapes of 133-256
+#: requests: FA3 0.932 of the faster of vLLM's calls, FlashMLA 1.018; at 97-132 requests FA3
+#: 1.023 against 0.987 on 5); checked on fresh seeds 400-411 (run 211, 23 shapes of 133-256
+#: requests, criterion set before timing: FlashMLA / FA3 >= 1.03 on geomean and a worst no
+#: lower): FlashMLA faster on 17, **1.037** on geomean, worst against the faster of vLLM's
+#: calls 0.854 -> 0.956; the decoder with this bound on the same shapes (run 212): 0.968 ->
+#: 1.001 of the faster of vLLM's calls, worst 0.852 -> 0.970. 512 rows (128 heads x 4 tokens)
+#: keep the bound above: no shape of 133-256 such requests was timed.
+VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH = 132
+VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS = 257
+VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS = 384
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to
@@ -460,9 +475,10 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
     to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first; to
     ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` at up to
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS`` query rows a request) of specs
-    outside ``splitk_candidate`` whose query tiles are even (``uneven_query_tiles``), and
-    for every batch of at most
+    ``VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS`` query rows a request, to
+    ``VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH`` at 257-384:
+    ``vllm_fa3_graph_ordered_max_batch``) of specs outside ``splitk_candidate`` whose
+    query tiles are even (``uneven_query_tiles``), and for every batch of at most
     ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
     ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
     requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
@@ -475,16 +491,27 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     request_rows = spec.num_heads * shape.max_q_len
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
-    largest_ordered = (VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH
-                       if request_rows <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS
-                       else VLLM_FA3_GRAPH_ORDERED_MAX_BATCH)
-    if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= largest_ordered
+    if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size
+            <= vllm_fa3_graph_ordered_max_batch(request_rows)
             and not splitk_candidate(spec)
             and (VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES
                  or not uneven_query_tiles(spec, shape.max_q_len))):
         return True
     rows = shape.batch_size * request_rows
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
+
+
+def vllm_fa3_graph_ordered_max_batch(request_rows: int) -> int:
+    """The most requests of ``request_rows`` query rows each (heads x query tokens) that
+    vLLM's FA3 kernel takes under CUDA graphs, launched longest first:
+    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` for narrow requests,
+    ``VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH`` for tall ones, else
+    ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``."""
+    if request_rows <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS:
+        return VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH
+    if VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS <= request_rows <= VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS:
+        return VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH
+    return VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
 
 
 def vllm_fa3_length_order(batch_size: int) -> bool:

@@ -230,17 +230,17 @@ VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
 VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 #: Requests of VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS to VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS
-#: query rows (five or six full 64-row tiles; of 8-128 heads at 1-4 tokens only 128 heads x 3
+#: query rows (five or six 64-row tiles; of 8-128 heads at 1-4 tokens only 128 heads x 3
 #: tokens = 384 rows) go to vLLM's FA3 kernel, longest first, in batches of up to this many
-#: requests (132 SMs' worth at one request per SM), FlashMLA above: compute-bound batches
-#: where FlashMLA's kernel did more per SM. Candidate from runs 177-197 (4 shapes of 133-256
+#: requests, FlashMLA above: compute-bound batches (19-22% of the copy ceiling) where
+#: FlashMLA's kernel did more per SM. Candidate from runs 177-197 (4 shapes of 133-256
 #: requests: FA3 0.932 of the faster of vLLM's calls, FlashMLA 1.018; at 97-132 requests FA3
-#: 1.023 against 0.987 on 5); checked on fresh seeds 400-411 (run 211, 23 shapes of 133-256
-#: requests, criterion set before timing: FlashMLA / FA3 >= 1.03 on geomean and a worst no
-#: lower): FlashMLA faster on 17, **1.037** on geomean, worst against the faster of vLLM's
-#: calls 0.854 -> 0.956; the decoder with this bound on the same shapes (run 212): 0.968 ->
-#: 1.001 of the faster of vLLM's calls, worst 0.852 -> 0.970. 512 rows (128 heads x 4 tokens)
-#: keep the bound above: no shape of 133-256 such requests was timed.
+#: 1.023 against 0.987 on 5: the bound is that band's edge, not fitted finer); checked on
+#: fresh seeds 400-411 (run 211, 23 shapes of 133-256 requests, criterion set before timing:
+#: FlashMLA / FA3 >= 1.03 on geomean and a worst no lower): FlashMLA faster on 17, **1.037**
+#: on geomean, worst against the faster of vLLM's calls 0.854 -> 0.956; the decoder with this
+#: bound on the same shapes (run 212): 0.968 -> 1.001, worst 0.852 -> 0.970. 512 rows (128
+#: heads x 4 tokens) keep the bound above: no shape of 133-256 such requests was timed.
 VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH = 132
 VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS = 257
 VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS = 384

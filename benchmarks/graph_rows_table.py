@@ -7,9 +7,10 @@ the routes forced, vLLM's calls as ``peer:`` rows) and, for the bf16 shapes on p
 ``--rows`` if given) and batch band (``BATCH_BANDS``). Per group: shapes, the routes the
 decoder ran, and for the decoder and for each of ``evaluate_policy.ORACLE_ROWS`` forced
 (``vllm-fa3-mla``, ``flashmla``) the geometric mean of the faster of vLLM's calls over its
-time (> 1: faster than vLLM) and how many shapes are under 1.0. A group where a forced
-route beats the decoder is a candidate for the graph rule (``ops.policy``), to be checked
-on fresh draws (``bench_decode.py --random ... --random-request-rows R --random-batches
+time (> 1: faster than vLLM), how many shapes are under 1.0 and the worst; then FlashMLA
+forced against FA3 forced (``PAIR``: geomean, shapes FlashMLA ran faster). A group where a
+forced route beats the decoder is a candidate for the graph rule (``ops.policy``), to be
+checked on fresh draws (``bench_decode.py --random ... --random-request-rows R --random-batches
 LO-HI``) before any change. Each file's timings count apart: a shape timed in two runs
 counts twice.
 """
@@ -22,6 +23,9 @@ from collections.abc import Sequence
 
 from bench_decode import parse_shape_name
 from evaluate_policy import GRAPH_ROW, ORACLE_ROWS, summary, timed_rows, vllm_peer_times
+
+#: The table's column of FlashMLA forced against FA3 forced.
+PAIR = "flashmla/vllm-fa3-mla"
 
 #: Batch bands of the table, inclusive: the graph rule's bounds fall on their edges
 #: (32 requests, 132 SMs' worth of 64-row query tiles at one or two tiles a request, 256).
@@ -57,8 +61,10 @@ def graph_timings(paths: Sequence[str], block: int = 64) -> list[dict]:
 
 def group_table(timings: Sequence[dict]) -> list[dict]:
     """Per (rows, batch band), in that order: ``rows``, ``band``, ``shapes``, ``decoders``
-    (route: shapes) and, for the decoder and each forced route, ``(geomean, under 1.0,
-    shapes timed)``."""
+    (route: shapes), for the decoder and each forced route ``(geomean, under 1.0, shapes
+    timed, worst)``, and ``PAIR`` (FlashMLA forced over FA3 forced, the time of one over the
+    other's, on the shapes both were timed: ``(geomean, FlashMLA faster, shapes)``), the
+    numbers a candidate's criterion reads."""
     groups: dict[tuple[int, tuple[int, int]], list[dict]] = defaultdict(list)
     for t in timings:
         groups[(t["rows"], batch_band(t["batch"]))].append(t)
@@ -68,8 +74,12 @@ def group_table(timings: Sequence[dict]) -> list[dict]:
                     decoders=dict(Counter(t["decoder"] for t in group)))
         for name in (GRAPH_ROW, *ORACLE_ROWS):
             values = [t[name] for t in group if name in t]
-            line[name] = ((summary(values)[0], sum(v < 1.0 for v in values), len(values))
-                          if values else None)
+            line[name] = ((summary(values)[0], sum(v < 1.0 for v in values), len(values),
+                           min(values)) if values else None)
+        fa3, flashmla = ORACLE_ROWS
+        gains = [t[flashmla] / t[fa3] for t in group if fa3 in t and flashmla in t]
+        line[PAIR] = ((summary(gains)[0], sum(g > 1.0 for g in gains), len(gains))
+                      if gains else None)
         table.append(line)
     return table
 
@@ -82,11 +92,13 @@ def main() -> None:
     args = ap.parse_args()
     keep = {int(r) for r in args.rows.split(",") if r}
     timings = [t for t in graph_timings(args.files, args.block) if not keep or t["rows"] in keep]
-    print("rows  batch     shapes  " + "  ".join(f"{n:>22}" for n in (GRAPH_ROW, *ORACLE_ROWS))
-          + "  decoder's routes")
+    print("rows  batch     shapes  " + "  ".join(f"{n:>34}" for n in (GRAPH_ROW, *ORACLE_ROWS))
+          + f"  {PAIR:>26}  decoder's routes")
     for line in group_table(timings):
-        cells = ["{:.3f} ({:2d} < 1 of {:3d})".format(*line[n]) if line[n] else f"{'-':>22}"
-                 for n in (GRAPH_ROW, *ORACLE_ROWS)]
+        cells = ["{:.3f} ({:2d} < 1 of {:3d}, worst {:.3f})".format(*line[n]) if line[n]
+                 else f"{'-':>34}" for n in (GRAPH_ROW, *ORACLE_ROWS)]
+        cells.append("{:.3f} (faster {:2d} of {:3d})".format(*line[PAIR]) if line[PAIR]
+                     else f"{'-':>26}")
         routes = ", ".join(f"{r} {c}" for r, c in line["decoders"].items())
         print(f"{line['rows']:4d}  {line['band'][0]:>4}-{line['band'][1]:<4} {line['shapes']:6d}  "
               + "  ".join(cells) + f"  {routes}")

@@ -1134,15 +1134,22 @@ def test_graph_rows_table_groups_the_decoder_and_forced_routes_by_rows_and_batch
         "h64 b36 4000 u q3 fp8 p64": {"plugin-graph[flashmla-fp8]": 50.0,
                                       "peer:vllm-flashmla-fp8": 60.0},
     }
-    paths = [str(write_timings_csv(tmp_path / f"run{run}.csv", timings)) for run in (1, 2)]
+    slower = {**timings, "h64 b36 4000 u q3 bf16 p64": {
+        **timings["h64 b36 4000 u q3 bf16 p64"], "plugin-graph[vllm-fa3-mla]": 125.0}}
+    paths = [str(write_timings_csv(tmp_path / f"run{run}.csv", t))
+             for run, t in ((1, timings), (2, slower))]
     assert table.batch_band(36) == (33, 40) and table.batch_band(44) == (41, 48)
     lines = table.group_table(table.graph_timings(paths))
     assert [(x["rows"], x["band"], x["shapes"]) for x in lines] == [
         (192, (33, 40), 2), (192, (41, 48), 2)]
     narrow, wide = lines
     assert narrow["decoders"] == {"vllm-fa3-mla": 2}
-    assert narrow["plugin-graph"] == (pytest.approx(100 / 110), 2, 2)
-    assert narrow["flashmla"] == (pytest.approx(100 / 95), 0, 2)
-    assert narrow["vllm-fa3-mla"] == (pytest.approx(100 / 108), 2, 2)
-    assert wide["plugin-graph"] == (pytest.approx(88 / 80), 0, 2)
-    assert wide["flashmla"] == (pytest.approx(88 / 90), 2, 2)
+    assert narrow["plugin-graph"] == (pytest.approx((100 / 110 * 100 / 125) ** 0.5), 2, 2,
+                                      pytest.approx(100 / 125))
+    assert narrow["flashmla"] == (pytest.approx(100 / 95), 0, 2, pytest.approx(100 / 95))
+    assert narrow["vllm-fa3-mla"] == (pytest.approx(100 / 108), 2, 2, pytest.approx(100 / 108))
+    assert wide["plugin-graph"] == (pytest.approx(88 / 80), 0, 2, pytest.approx(88 / 80))
+    assert wide["flashmla"] == (pytest.approx(88 / 90), 2, 2, pytest.approx(88 / 90))
+    # FlashMLA forced over FA3 forced: faster at b36 (108 / 95), slower at b44 (80 / 90).
+    assert narrow[table.PAIR] == (pytest.approx(108 / 95), 2, 2)
+    assert wide[table.PAIR] == (pytest.approx(80 / 90), 0, 2)

@@ -232,7 +232,7 @@ VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 #: Requests of VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS to VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS
 #: query rows (five or six 64-row tiles; of 8-128 heads at 1-4 tokens only 128 heads x 3
 #: tokens = 384 rows) go to vLLM's FA3 kernel, longest first, in batches of up to this many
-#: requests, FlashMLA above: compute-bound batches (19-22% of the copy ceiling) where
+#: requests, FlashMLA above: compute-bound batches (19-23% of the copy ceiling) where
 #: FlashMLA's kernel did more per SM. Candidate from runs 177-197 (4 shapes of 133-256
 #: requests: FA3 0.932 of the faster of vLLM's calls, FlashMLA 1.018; at 97-132 requests FA3
 #: 1.023 against 0.987 on 5: the bound is that band's edge, not fitted finer); checked on

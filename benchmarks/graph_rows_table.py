@@ -74,8 +74,11 @@ def group_table(timings: Sequence[dict]) -> list[dict]:
                     decoders=dict(Counter(t["decoder"] for t in group)))
         for name in (GRAPH_ROW, *ORACLE_ROWS):
             values = [t[name] for t in group if name in t]
-            line[name] = ((summary(values)[0], sum(v < 1.0 for v in values), len(values),
-                           min(values)) if values else None)
+            if values:
+                geomean, worst, count = summary(values)
+                line[name] = (geomean, sum(v < 1.0 for v in values), count, worst)
+            else:
+                line[name] = None
         fa3, flashmla = ORACLE_ROWS
         gains = [t[flashmla] / t[fa3] for t in group if fa3 in t and flashmla in t]
         line[PAIR] = ((summary(gains)[0], sum(g > 1.0 for g in gains), len(gains))

@@ -87,7 +87,7 @@ FIELDS = ["round", "heads", "kv", "backend", "batch", "output_len", "decode_s", 
           "tpot_ms", "short_len", "short_s", "step_ms", "decode_tokens_per_s", "route",
           "attn_layer_us", "attn_share", "status", "steps_each_ms", "core_step_ms",
           "core_steps_each_ms", "core_decode_tokens_per_s", "core_median_step_ms",
-          "core_step_quantiles_each_ms", "core_median_decode_tokens_per_s"]
+          "core_step_quantiles_each_ms", "core_median_decode_tokens_per_s", "mtp"]
 
 
 def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -98,11 +98,13 @@ def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
 
 
 def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None = None,
-                       block: int = 64, eager: bool = False) -> tuple[str, float]:
+                       block: int = 64, eager: bool = False,
+                       q_len: int = 1) -> tuple[str, float]:
     """The plugin's decode of one layer for ``lens``, kernels only (no ``plan``): as under
     CUDA graphs (batch-size-only route choice unless ``route`` forces one), graph-timed;
     ``eager``: the route chosen with the lengths, as an ``enforce_eager`` engine's decoder
-    does, timed launch by launch. FP8 query where vLLM would hand one over."""
+    does, timed launch by launch. FP8 query where vLLM would hand one over. ``q_len``
+    query tokens a request (speculative decoding: 1 + draft tokens)."""
     from dataclasses import replace
 
     import torch
@@ -125,11 +127,15 @@ def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None =
         table[i, :n] = perm[start:start + n]
         start += n
     cache = torch.randn(sum(need), block, 576, device=device).to(spec.kv_dtype)
-    query = torch.randn(b, heads, 576, device=device).to(spec.q_dtype)
+    query = torch.randn(b * q_len, heads, 576, device=device).to(spec.q_dtype)
     dec = MLADecoder(spec, device, b, route=route, cuda_graph=not eager)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cu_q = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32)
+    several = q_len > 1
     dec.plan(DecodeBatch(table.to(device), seq_lens.to(device), max(lens),
-                         kv_tokens=sum(lens), seq_lens_host=seq_lens))
+                         cu_seqlens_q=cu_q.to(device) if several else None, max_q_len=q_len,
+                         num_tokens=b * q_len, kv_tokens=sum(lens), seq_lens_host=seq_lens,
+                         cu_seqlens_q_host=cu_q if several else None))
     dec.run(query, cache)
     torch.cuda.synchronize()
     if eager:  # launched one by one, as the engine does
@@ -214,22 +220,44 @@ def core_decode_step_s(outputs: list) -> float | None:
 GPU_MEMORY_ALONE, GPU_MEMORY_PAIRED = 0.6, 0.45
 
 
+def speculative_config(args: argparse.Namespace, backend: str) -> dict | None:
+    """vLLM's ``speculative_config`` for ``--mtp K`` (the model's MTP layer drafting K
+    tokens; its drafter on ``backend`` too, which vLLM would otherwise pick on its own), or
+    ``None``."""
+    mtp = getattr(args, "mtp", 0)
+    if not mtp:
+        return None
+    return {"method": "mtp", "num_speculative_tokens": mtp, "attention_backend": backend}
+
+
+def engine_mode_args(args: argparse.Namespace, backend: str, capture: list[int]) -> dict:
+    """``LLM`` arguments for CUDA graphs over decode batches of the request counts in
+    ``capture`` (``--eager``: none, vLLM's ``enforce_eager``) and, with ``--mtp K``,
+    speculative decoding: each decode batch then has ``1 + K`` query tokens a request, and
+    vLLM's capture sizes count tokens."""
+    q_len = 1 + getattr(args, "mtp", 0)
+    mode: dict = ({"enforce_eager": True} if args.eager else {"compilation_config": {
+        "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": sorted({b * q_len for b in capture})}})
+    spec = speculative_config(args, backend)
+    if spec is not None:
+        mode["speculative_config"] = spec
+    return mode
+
+
 def make_llm(args: argparse.Namespace, backend: str, max_num_seqs: int, capture: list[int],
              gpu_memory: float = GPU_MEMORY_ALONE):
-    """The engine every run of this file times: CUDA graphs for decode batches of the sizes
-    in ``capture`` (``--eager``: none, vLLM's ``enforce_eager``), no torch.compile, block
-    64, prefix caching."""
+    """The engine every run of this file times (``engine_mode_args``), no torch.compile,
+    block 64, prefix caching."""
     from vllm import LLM
 
-    graphs = ({"enforce_eager": True} if args.eager else {"compilation_config": {
-        "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-        "cudagraph_capture_sizes": sorted(set(capture))}})
     return LLM(
         model=args.model, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
         attention_backend=backend, kv_cache_dtype=args.kv, block_size=64,
         max_model_len=args.max_prompt + args.output_len + 8, max_num_seqs=max_num_seqs,
         enable_prefix_caching=True, gpu_memory_utilization=gpu_memory,
-        disable_log_stats=not getattr(args, "core_steps", False), **graphs,
+        disable_log_stats=not getattr(args, "core_steps", False),
+        **engine_mode_args(args, backend, capture),
     )
 
 
@@ -262,7 +290,8 @@ def step_row(args: argparse.Namespace, backend: str, batch: int, short_s: float,
                tokens_per_s=f"{batch * args.output_len / dt:.0f}",
                tpot_ms=f"{dt / args.output_len * 1e3:.3f}", short_len=args.short_len,
                short_s=f"{short_s:.4f}", step_ms=f"{step * 1e3:.3f}",
-               decode_tokens_per_s=f"{batch / step:.0f}", status="ok")
+               decode_tokens_per_s=f"{batch / step:.0f}", status="ok",
+               mtp=getattr(args, "mtp", 0))
     core = core or CoreTiming()
     timed = [s for s in core.steps if s is not None]
     if timed:
@@ -339,7 +368,7 @@ def worker(args: argparse.Namespace) -> None:
             lens = prompt_lens(int(row["batch"]), args.min_prompt, args.max_prompt, args.seed)
             lens = [n + args.output_len // 2 for n in lens]
             served_by, us = attention_layer_us(args.heads, args.kv, lens, route or None,
-                                               eager=args.eager)
+                                               eager=args.eager, q_len=1 + args.mtp)
             share = us * args.layers / (float(row["step_ms"]) * 1e3)
             row.update(route=served_by, attn_layer_us=f"{us:.1f}", attn_share=f"{share:.2f}")
     Path(args.result).write_text(json.dumps(rows))
@@ -368,6 +397,7 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
            str(args.max_prompt), "--seed", str(args.seed), "--layers",
            str(args.layers), "--result", str(result), *(["--eager"] if args.eager else []),
            *(["--core-steps"] if args.core_steps else []),
+           *(["--mtp", str(args.mtp)] if args.mtp else []),
            *(["--gpu-memory", str(args.gpu_memory)] if args.gpu_memory else [])]
     log = args.out / f"log-{tag}.txt"
     with open(log, "w") as f:
@@ -445,19 +475,27 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
                          "engines with an FP8 cache ran out of memory in one process at 0.45 "
                          "and at 0.4 (runs 166, 168: after its prefills over cached FP8 "
                          "context, vLLM's own path, the first engine held 72-75 GiB)")
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="speculative decoding: the model gets one DeepSeek MTP layer that "
+                         "drafts K tokens a step (vLLM's method 'mtp'), so every decode batch "
+                         "has 1 + K query tokens a request; the step time is then per "
+                         "output token and depends on how many drafts are accepted "
+                         "(--core-steps: per engine step too)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
 
 
-def build_model(out: Path, heads: int, layers: int, max_len: int) -> Path:
-    """The random-weight DeepSeek-V3-style model of these benchmarks, in ``out``."""
+def build_model(out: Path, heads: int, layers: int, max_len: int, mtp: bool = False) -> Path:
+    """The random-weight DeepSeek-V3-style model of these benchmarks, in ``out`` (``mtp``:
+    with one multi-token-prediction layer for speculative decoding)."""
     from trtllm_mla_plugin.testing.tiny_model import build_tiny_deepseek_v3
 
     return build_tiny_deepseek_v3(
-        out / f"model-h{heads}", num_layers=layers, num_heads=heads, hidden_size=1024,
-        vocab_size=1024, dtype="bfloat16", max_position_embeddings=max_len + 64)
+        out / f"model-h{heads}{'-mtp' if mtp else ''}", num_layers=layers, num_heads=heads,
+        hidden_size=1024, vocab_size=1024, dtype="bfloat16",
+        max_position_embeddings=max_len + 64, mtp_layers=1 if mtp else 0)
 
 
 def round_engines(backends: list[str], rnd: int, paired: bool) -> list[str]:
@@ -514,7 +552,8 @@ def main() -> None:
     stop_on_sigterm()
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
-        model = build_model(args.out, heads, args.layers, args.max_prompt + args.output_len)
+        model = build_model(args.out, heads, args.layers, args.max_prompt + args.output_len,
+                            mtp=args.mtp > 0)
         if args.warmup_engine:
             first = args.backends.split(",")[0]
             t0 = time.time()

@@ -1153,3 +1153,28 @@ def test_graph_rows_table_groups_the_decoder_and_forced_routes_by_rows_and_batch
     # FlashMLA forced over FA3 forced: faster at b36 (108 / 95), slower at b44 (80 / 90).
     assert narrow[table.PAIR] == (pytest.approx(108 / 95), 2, 2)
     assert wide[table.PAIR] == (pytest.approx(80 / 90), 0, 2)
+
+
+def test_mtp_engines_capture_their_decode_batches_in_tokens():
+    """``--mtp K``: the capture sizes count ``1 + K`` tokens a request, and both dicts are
+    what vLLM's own config classes accept (``CompilationConfig``, ``SpeculativeConfig``'s
+    fields)."""
+    pytest.importorskip("vllm")
+    import dataclasses
+
+    from vllm.config import CompilationConfig, SpeculativeConfig
+
+    args = argparse.Namespace(eager=False, mtp=2)
+    mode = bench_engine.engine_mode_args(args, "TRTLLM_MLA", [160, 64, 160])
+    assert mode["compilation_config"]["cudagraph_capture_sizes"] == [192, 480]
+    CompilationConfig(**mode["compilation_config"])
+    spec = mode["speculative_config"]
+    assert spec == {"method": "mtp", "num_speculative_tokens": 2,
+                    "attention_backend": "TRTLLM_MLA"}
+    assert set(spec) <= {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    plain = bench_engine.engine_mode_args(argparse.Namespace(eager=False, mtp=0), "FLASHMLA",
+                                          [32])
+    assert plain["compilation_config"]["cudagraph_capture_sizes"] == [32]
+    assert "speculative_config" not in plain
+    eager = bench_engine.engine_mode_args(argparse.Namespace(eager=True, mtp=3), "FLASHMLA", [8])
+    assert eager["enforce_eager"] and eager["speculative_config"]["num_speculative_tokens"] == 3

@@ -363,6 +363,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.cuda.empty_cache()
+    q_len = 1 + getattr(args, "mtp", 0)
     for row in rows:
         backend, _, route = row["backend"].partition("@")
         if backend == "TRTLLM_MLA":
@@ -370,7 +371,7 @@ def worker(args: argparse.Namespace) -> None:
             lens = [n + args.output_len // 2 for n in lens]
             try:
                 served_by, us = attention_layer_us(args.heads, args.kv, lens, route or None,
-                                                   eager=args.eager, q_len=1 + args.mtp)
+                                                   eager=args.eager, q_len=q_len)
             except Exception as e:  # the engine's timings stand without it
                 row.update(route=f"not timed: {type(e).__name__}: {e}"[:200])
                 continue
@@ -402,7 +403,7 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
            str(args.max_prompt), "--seed", str(args.seed), "--layers",
            str(args.layers), "--result", str(result), *(["--eager"] if args.eager else []),
            *(["--core-steps"] if args.core_steps else []),
-           *(["--mtp", str(args.mtp)] if args.mtp else []),
+           *(["--mtp", str(args.mtp)] if getattr(args, "mtp", 0) else []),
            *(["--gpu-memory", str(args.gpu_memory)] if args.gpu_memory else [])]
     log = args.out / f"log-{tag}.txt"
     with open(log, "w") as f:
@@ -558,7 +559,7 @@ def main() -> None:
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
         model = build_model(args.out, heads, args.layers, args.max_prompt + args.output_len,
-                            mtp=args.mtp > 0)
+                            mtp=getattr(args, "mtp", 0) > 0)
         if args.warmup_engine:
             first = args.backends.split(",")[0]
             t0 = time.time()

@@ -1,11 +1,12 @@
 """The CUDA-graph decoder and the two routes it picks between, by query rows and batch size.
 
-``python benchmarks/graph_rows_table.py [--block P] [--rows R[,R...]] FILE.csv ...`` reads
-bench_decode.py output timed with ``--graph-only`` (the decoder's ``plugin-graph[...]`` row,
-the routes forced, vLLM's calls as ``peer:`` rows) and, for the bf16 shapes on pages of
-``--block`` tokens (64), groups them by query rows per request (heads x query tokens; only
-``--rows`` if given) and batch band (``BATCH_BANDS``). Per group: shapes, the routes the
-decoder ran, and for the decoder and for each of ``evaluate_policy.ORACLE_ROWS`` forced
+``python benchmarks/graph_rows_table.py [--block P] [--rows R[,R...]] [--q-lens LO-HI]
+FILE.csv ...`` reads bench_decode.py output timed with ``--graph-only`` (the decoder's
+``plugin-graph[...]`` row, the routes forced, vLLM's calls as ``peer:`` rows) and, for the
+bf16 shapes on pages of ``--block`` tokens (64), groups them by query rows per request
+(heads x query tokens; only ``--rows`` if given, and only shapes of ``--q-lens`` query
+tokens) and batch band (``BATCH_BANDS``). Per group: shapes, the routes the decoder ran,
+and for the decoder and for each of ``evaluate_policy.ORACLE_ROWS`` forced
 (``vllm-fa3-mla``, ``flashmla``) the geometric mean of the faster of vLLM's calls over its
 time (> 1: faster than vLLM), how many shapes are under 1.0 and the worst; then FlashMLA
 forced against FA3 forced (``PAIR``: geomean, shapes FlashMLA ran faster). A group where a
@@ -52,7 +53,8 @@ def graph_timings(paths: Sequence[str], block: int = 64) -> list[dict]:
             if kv != "bf16" or page != block or graph is None or not peers:
                 continue
             vllm = min(peers.values())
-            timing = dict(rows=heads * q_len, batch=batch, decoder=graph[len(GRAPH_ROW) + 1:-1],
+            timing = dict(rows=heads * q_len, q_len=q_len, batch=batch,
+                          decoder=graph[len(GRAPH_ROW) + 1:-1],
                           **{GRAPH_ROW: vllm / float(ks[graph]["us"])})
             timing.update({n: vllm / float(ks[n]["us"]) for n in ORACLE_ROWS if n in ks})
             found.append(timing)
@@ -92,9 +94,14 @@ def main() -> None:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--block", type=int, default=64, help="tokens per KV page")
     ap.add_argument("--rows", default="", help="comma-separated query rows per request")
+    ap.add_argument("--q-lens", default="1-4", metavar="LO-HI",
+                    help="query tokens per request of the shapes kept")
     args = ap.parse_args()
     keep = {int(r) for r in args.rows.split(",") if r}
-    timings = [t for t in graph_timings(args.files, args.block) if not keep or t["rows"] in keep]
+    lo, _, hi = args.q_lens.partition("-")
+    q_lens = range(int(lo), int(hi or lo) + 1)
+    timings = [t for t in graph_timings(args.files, args.block)
+               if (not keep or t["rows"] in keep) and t["q_len"] in q_lens]
     print("rows  batch     shapes  " + "  ".join(f"{n:>34}" for n in (GRAPH_ROW, *ORACLE_ROWS))
           + f"  {PAIR:>26}  decoder's routes")
     for line in group_table(timings):

@@ -1139,6 +1139,7 @@ def test_graph_rows_table_groups_the_decoder_and_forced_routes_by_rows_and_batch
     paths = [str(write_timings_csv(tmp_path / f"run{run}.csv", t))
              for run, t in ((1, timings), (2, slower))]
     assert table.batch_band(36) == (33, 40) and table.batch_band(44) == (41, 48)
+    assert {t["q_len"] for t in table.graph_timings(paths)} == {3}
     lines = table.group_table(table.graph_timings(paths))
     assert [(x["rows"], x["band"], x["shapes"]) for x in lines] == [
         (192, (33, 40), 2), (192, (41, 48), 2)]

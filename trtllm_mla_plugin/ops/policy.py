@@ -229,21 +229,12 @@ VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 #: it keeps its own plan.
 VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
 VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
-#: Requests of VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS to VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS
-#: query rows (five or six 64-row tiles; of 8-128 heads at 1-4 tokens only 128 heads x 3
-#: tokens = 384 rows) go to vLLM's FA3 kernel, longest first, in batches of up to this many
-#: requests, FlashMLA above: compute-bound batches (19-23% of the copy ceiling) where
-#: FlashMLA's kernel did more per SM. Candidate from runs 177-197 (4 shapes of 133-256
-#: requests: FA3 0.932 of the faster of vLLM's calls, FlashMLA 1.018; at 97-132 requests FA3
-#: 1.023 against 0.987 on 5: the bound is that band's edge, not fitted finer); checked on
-#: fresh seeds 400-411 (run 211, 23 shapes of 133-256 requests, criterion set before timing:
-#: FlashMLA / FA3 >= 1.03 on geomean and a worst no lower): FlashMLA faster on 17, **1.037**
-#: on geomean, worst against the faster of vLLM's calls 0.854 -> 0.956; the decoder with this
-#: bound on the same shapes (run 212): 0.968 -> 1.001, worst 0.852 -> 0.970. 512 rows (128
-#: heads x 4 tokens) keep the bound above: no shape of 133-256 such requests was timed.
-VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH = 132
-VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS = 257
-VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS = 384
+# Tall requests (384 query rows: 128 heads x 3 tokens) keep the bound of 256. FlashMLA above
+# 132 such requests ran 1.037x FA3 kernel for kernel (run 211, one 576-wide query for both),
+# but in the engine, where vLLM hands the query over in its latent and rope parts that FA3
+# reads apart and FlashMLA needs concatenated, the plugin on FlashMLA decoded at 0.909x
+# FLASH_ATTN_MLA (h128 24 layers, b160, MTP 2, two paired rounds 0.913 and 0.905; run 217)
+# and on FA3 forced at 1.000x (run 218): docs/benchmarks.md, "Tall requests in the engine".
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to
@@ -475,8 +466,7 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
     to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first; to
     ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` at up to
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS`` query rows a request, to
-    ``VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH`` at 257-384:
+    ``VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS`` query rows a request:
     ``vllm_fa3_graph_ordered_max_batch``) of specs outside ``splitk_candidate`` whose
     query tiles are even (``uneven_query_tiles``), and for every batch of at most
     ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
@@ -504,13 +494,10 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
 def vllm_fa3_graph_ordered_max_batch(request_rows: int) -> int:
     """The most requests of ``request_rows`` query rows each (heads x query tokens) that
     vLLM's FA3 kernel takes under CUDA graphs, launched longest first:
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` for narrow requests,
-    ``VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH`` for tall ones, else
+    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` for narrow requests, else
     ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``."""
     if request_rows <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS:
         return VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH
-    if VLLM_FA3_GRAPH_ORDERED_TALL_MIN_ROWS <= request_rows <= VLLM_FA3_GRAPH_ORDERED_TALL_MAX_ROWS:
-        return VLLM_FA3_GRAPH_ORDERED_TALL_MAX_BATCH
     return VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
 
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_kernels
 from decode_kernels import (
     Case,
     Kernel,
@@ -648,12 +649,20 @@ def main() -> None:
                     help="semicolon-separated STAGES,CTAS_PER_SM,MIN_TILES[,FUSE_MAX_SPLITS] "
                          "launch configurations of the CUDA split-KV kernel to time on every "
                          "shape")
+    ap.add_argument("--query-parts", action="store_true",
+                    help="hand the plugin's decoder 16-bit queries in vLLM's two parts "
+                         "(latent, rope) and let vLLM's FLASHMLA peer concatenate them, as "
+                         "in the engine (decode_kernels.QUERY_PARTS); default: one "
+                         "576-wide query for every kernel, as runs 1-218")
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
                          "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "
                          "(paired.csv)")
     args = ap.parse_args()
     EXTRA_ROUTES = tuple(r for r in args.extra_routes.split(",") if r)
+    decode_kernels.QUERY_PARTS = args.query_parts
+    if args.query_parts:
+        print("queries in vLLM's two parts (--query-parts)", flush=True)
     SPLITK_CONFIGS = tuple(tuple(int(v) for v in c.split(","))
                            for c in args.splitk_configs.split(";") if c)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,16 @@ TRITON_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
 VLLM_FA3_MODULE = "vllm.vllm_flash_attn.flash_attn_interface"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+#: ``bench_decode.py --query-parts``: a 16-bit query reaches the plugin's decoder in the two
+#: parts vLLM's MLA layer hands over (``engine_query_parts``), and vLLM's FLASHMLA peer
+#: concatenates them as its ``forward_mqa`` does, so the copy a route that cannot read the
+#: parts apart makes is timed (vLLM's FA3 reads them apart; run 217: the plugin on FlashMLA
+#: at 0.91x FLASH_ATTN_MLA in the engine where the kernels alone ran 1.04x FA3's speed).
+#: Off: every route and peer gets one ``[tokens, heads, 576]`` tensor (runs 1-218).
+QUERY_PARTS = False
+#: DeepSeek-V2/V3's ``qk_nope_head_dim``: the rope part is a view into the query
+#: projection's output of ``nope + rope`` columns a head.
+QK_NOPE_DIM = 128
 
 
 @dataclass
@@ -60,6 +70,20 @@ class Kernel:
     obj: object = None  # the decoder, for host-overhead measurements
 
 
+def engine_query_parts(query: torch.Tensor,
+                       kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query [tokens, heads, Dc + Dr]`` as vLLM's MLA layer hands a 16-bit decode query to
+    ``forward_mqa``: ``ql_nope [tokens, heads, Dc]`` contiguous (its ``bmm`` with ``W_UK``
+    writes it token-major) and ``q_pe [tokens, heads, Dr]``, a strided view into the query
+    projection's ``[tokens, heads, QK_NOPE_DIM + Dr]`` output. Same values as ``query``."""
+    tokens, heads, width = query.shape
+    ql_nope = query[..., :kv_lora_rank].contiguous()
+    projected = torch.empty(tokens, heads, QK_NOPE_DIM + width - kv_lora_rank,
+                            dtype=query.dtype, device=query.device)
+    projected[..., QK_NOPE_DIM:] = query[..., kv_lora_rank:]
+    return ql_nope, projected[..., QK_NOPE_DIM:]
+
+
 def fp8_query(query: torch.Tensor) -> torch.Tensor:
     """``query`` as vLLM hands it to an FP8-query decode (q_scale 1: saturated to e4m3)."""
     return query.clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -73,13 +97,16 @@ def decoder_kernel(
     query dtype vLLM would hand over (``engine_query_dtype``: FP8 for FP8-query routes) and
     no output buffer where the route returns its own, as the engine calls it.
     ``cuda_graph``: the route's CUDA-graph set-up (the engine's default), for routes whose
-    schedule depends on it (``vllm-fa3-mla`` caps its KV splits)."""
+    schedule depends on it (``vllm-fa3-mla`` caps its KV splits). With ``QUERY_PARTS``, an
+    ``engine_query`` of 16 bits is handed over in vLLM's two parts."""
     spec, device = case.spec, case.query.device
     query = case.query
     if engine_query:
         spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), route))
         if spec.q_dtype == FP8:
             query = fp8_query(query)
+        elif QUERY_PARTS:
+            query = engine_query_parts(query, spec.kv_lora_rank)
     if route is not None:
         reason = ROUTES[route].unsupported_reason(spec, platform_of(device))
         if reason is not None:
@@ -202,6 +229,7 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
         return Kernel(name, absent=f"import failed: {exc!r}")
     table, lens = case.batch.block_table, case.batch.seq_lens
     q = case.query.view(b, m, spec.num_heads, spec.head_dim)
+    parts = engine_query_parts(case.query, spec.kv_lora_rank) if QUERY_PARTS else None
     perm = None
     if sort:
         perm = torch.argsort(lens, descending=True)
@@ -216,9 +244,10 @@ def flashmla_peer(case: Case, sort: bool = False) -> Kernel:
         if capturing and not step["capturing"]:
             step["meta"] = fm.get_mla_metadata()[0]  # a new step: FlashMLA schedules anew
         step["capturing"] = capturing
-        qq = q
+        # vLLM's FLASHMLA concatenates the parts (``forward_mqa``), one copy per layer.
+        qq = q if parts is None else torch.cat(parts, dim=-1).view(q.shape)
         if perm is not None:
-            torch.index_select(q, 0, perm, out=q_sorted)
+            torch.index_select(qq, 0, perm, out=q_sorted)
             qq = q_sorted
         # vLLM's FLASHMLA passes causal=True, also for one query token, and no ``out=``
         # (FlashMLA's ``out=`` fails for q_len > 1).

@@ -4,7 +4,7 @@ runtime calls and GPU kernels.
 Usage (on the GPU machine, with a CUDA vLLM importable)::
 
     python benchmarks/profile_engine_step.py --out DIR [--heads 16] [--kv auto,fp8]
-        [--batch 32] [--backends TRTLLM_MLA,FLASHMLA] [--layers 24] [--steps 32]
+        [--batch 32] [--backends TRTLLM_MLA,FLASHMLA] [--layers 24] [--steps 32] [--mtp K]
     python benchmarks/profile_engine_step.py --summarize DIR/trace-*.json.gz   # on any machine
 
 Per (KV dtype, backend) one engine in its own process, the model and engine settings of
@@ -256,12 +256,12 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     model = bench_engine.build_model(args.out, args.heads, args.layers,
-                                     args.max_prompt + args.steps)
+                                     args.max_prompt + args.steps, mtp=args.mtp > 0)
     summaries = []
     for kv in args.kv.split(","):
         for backend in args.backends.split(","):
-            tag = (f"h{args.heads}-{kv}-b{args.batch}{'-eager' if args.eager else ''}-"
-                   f"{backend.replace('@', '-')}")
+            tag = (f"h{args.heads}-{kv}-b{args.batch}{'-eager' if args.eager else ''}"
+                   f"{f'-mtp{args.mtp}' if args.mtp else ''}-{backend.replace('@', '-')}")
             result = args.out / f"profile-{tag}.json"
             cmd = [sys.executable, __file__, "--worker", "--model", str(model),
                    "--heads", str(args.heads), "--kv", kv, "--backend", backend,
@@ -269,7 +269,8 @@ def main() -> None:
                    "--short-len", str(args.short_len), "--layers", str(args.layers),
                    "--min-prompt", str(args.min_prompt), "--max-prompt", str(args.max_prompt),
                    "--seed", str(args.seed), "--result", str(result), "--top", str(args.top),
-                   *(["--eager"] if args.eager else [])]
+                   *(["--eager"] if args.eager else []),
+                   *(["--mtp", str(args.mtp)] if args.mtp else [])]
             t0 = time.time()
             with open(args.out / f"log-{tag}.txt", "w") as log:
                 try:

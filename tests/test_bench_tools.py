@@ -539,6 +539,54 @@ def test_flashmla_peer_schedules_once_per_captured_step(monkeypatch):
     assert used == [made[0]] * 2 + [made[1]] * 3 + [made[1]] + [made[2]] * 2
 
 
+def test_query_parts_are_the_engines_and_flashmla_peer_concatenates_them(monkeypatch):
+    """``--query-parts``: the query reaches a decoder as vLLM's MLA layer hands it over
+    (contiguous latent part, rope part a strided view of the projection), with the same
+    values; a CPU decoder given the parts decodes as given the whole; vLLM's FLASHMLA peer
+    concatenates them inside the timed call, as its ``forward_mqa`` does."""
+    import types
+
+    import decode_kernels
+
+    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder
+
+    torch.manual_seed(0)
+    query = torch.randn(6, 16, 576)
+    ql_nope, q_pe = decode_kernels.engine_query_parts(query, 512)
+    assert ql_nope.is_contiguous() and not q_pe.is_contiguous()
+    assert q_pe.stride()[1] == decode_kernels.QK_NOPE_DIM + 64
+    assert torch.equal(torch.cat((ql_nope, q_pe), -1), query)
+
+    spec = DecodeSpec(16, 512, 64, 64, torch.float32, torch.float32, 0.1, max_q_len=3)
+    lens = torch.tensor([70, 130], dtype=torch.int32)
+    batch = DecodeBatch(torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32), lens, 130,
+                        cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32), max_q_len=3,
+                        num_tokens=6)
+    cache = torch.randn(6, 64, 576)
+    dec = MLADecoder(spec, torch.device("cpu"), 2)
+    dec.plan(batch)
+    assert torch.allclose(dec.run((ql_nope, q_pe), cache), dec.run(query, cache))
+
+    seen = []
+
+    def flash_mla_with_kvcache(**kw):
+        seen.append(kw["q"].clone())
+        return torch.zeros(2, 3, 16, 512), None
+
+    fake = types.SimpleNamespace(get_mla_metadata=lambda: (None, None),
+                                 flash_mla_with_kvcache=flash_mla_with_kvcache)
+    monkeypatch.setattr(decode_kernels, "importlib",
+                        types.SimpleNamespace(import_module=lambda name: fake))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(decode_kernels, "QUERY_PARTS", True)
+    case = decode_kernels.Case("h16 b2 q3", spec, batch, query, [], [70, 130], 3)
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.append(1) or real_cat(*a, **k))
+    decode_kernels.flashmla_peer(case).call(cache)
+    assert cats == [1] and torch.equal(seen[0], query.view(2, 3, 16, 576))
+
+
 def test_policy_scores_flashmla_as_the_engine_runs_it(tmp_path):
     """``evaluate_policy`` scores vLLM's FLASHMLA by the plugin's ``flashmla`` row in files
     of runs before 80 (FlashMLA's schedule kernel once per step, as vLLM runs it; those peer

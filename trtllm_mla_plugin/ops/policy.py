@@ -231,10 +231,11 @@ VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
 VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 # Tall requests (384 query rows: 128 heads x 3 tokens) keep the bound of 256. FlashMLA above
 # 132 such requests ran 1.037x FA3 kernel for kernel (run 211, one 576-wide query for both),
-# but in the engine, where vLLM hands the query over in its latent and rope parts that FA3
-# reads apart and FlashMLA needs concatenated, the plugin on FlashMLA decoded at 0.909x
-# FLASH_ATTN_MLA (h128 24 layers, b160, MTP 2, two paired rounds 0.913 and 0.905; run 217)
-# and on FA3 forced at 1.000x (run 218): docs/benchmarks.md, "Tall requests in the engine".
+# but in the engine the plugin on FlashMLA decoded at 0.909x FLASH_ATTN_MLA (h128 24 layers,
+# b160, MTP 2, two paired rounds 0.913 and 0.905; run 217) and on FA3 forced at 1.000x (run
+# 218). Part of the gap: vLLM hands the query over in its latent and rope parts, which FA3
+# reads apart and FlashMLA needs concatenated; the rest is not explained yet
+# (docs/benchmarks.md, "Tall requests in the engine").
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to

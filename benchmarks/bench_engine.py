@@ -221,11 +221,17 @@ def core_decode_step_s(outputs: list) -> float | None:
 GPU_MEMORY_ALONE, GPU_MEMORY_PAIRED = 0.6, 0.45
 
 
+def draft_tokens(args: argparse.Namespace) -> int:
+    """``--mtp K``'s K (0 without speculation; also for callers' namespaces that predate
+    the option)."""
+    return getattr(args, "mtp", 0)
+
+
 def speculative_config(args: argparse.Namespace, backend: str) -> dict | None:
     """vLLM's ``speculative_config`` for ``--mtp K`` (the model's MTP layer drafting K
     tokens; its drafter on ``backend`` too, which vLLM would otherwise pick on its own), or
     ``None``."""
-    mtp = getattr(args, "mtp", 0)
+    mtp = draft_tokens(args)
     if not mtp:
         return None
     return {"method": "mtp", "num_speculative_tokens": mtp, "attention_backend": backend}
@@ -236,7 +242,7 @@ def engine_mode_args(args: argparse.Namespace, backend: str, capture: list[int])
     ``capture`` (``--eager``: none, vLLM's ``enforce_eager``) and, with ``--mtp K``,
     speculative decoding: each decode batch then has ``1 + K`` query tokens a request, and
     vLLM's capture sizes count tokens."""
-    q_len = 1 + getattr(args, "mtp", 0)
+    q_len = 1 + draft_tokens(args)
     mode: dict = ({"enforce_eager": True} if args.eager else {"compilation_config": {
         "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
         "cudagraph_capture_sizes": sorted({b * q_len for b in capture})}})
@@ -292,7 +298,7 @@ def step_row(args: argparse.Namespace, backend: str, batch: int, short_s: float,
                tpot_ms=f"{dt / args.output_len * 1e3:.3f}", short_len=args.short_len,
                short_s=f"{short_s:.4f}", step_ms=f"{step * 1e3:.3f}",
                decode_tokens_per_s=f"{batch / step:.0f}", status="ok",
-               mtp=getattr(args, "mtp", 0))
+               mtp=draft_tokens(args))
     core = core or CoreTiming()
     timed = [s for s in core.steps if s is not None]
     if timed:
@@ -363,7 +369,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.cuda.empty_cache()
-    q_len = 1 + getattr(args, "mtp", 0)
+    q_len = 1 + draft_tokens(args)
     for row in rows:
         backend, _, route = row["backend"].partition("@")
         if backend == "TRTLLM_MLA":
@@ -403,7 +409,7 @@ def engine_rows(args: argparse.Namespace, model: Path, heads: int, kv: str, back
            str(args.max_prompt), "--seed", str(args.seed), "--layers",
            str(args.layers), "--result", str(result), *(["--eager"] if args.eager else []),
            *(["--core-steps"] if args.core_steps else []),
-           *(["--mtp", str(args.mtp)] if getattr(args, "mtp", 0) else []),
+           *(["--mtp", str(args.mtp)] if draft_tokens(args) else []),
            *(["--gpu-memory", str(args.gpu_memory)] if args.gpu_memory else [])]
     log = args.out / f"log-{tag}.txt"
     with open(log, "w") as f:
@@ -559,7 +565,7 @@ def main() -> None:
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
         model = build_model(args.out, heads, args.layers, args.max_prompt + args.output_len,
-                            mtp=getattr(args, "mtp", 0) > 0)
+                            mtp=args.mtp > 0)
         if args.warmup_engine:
             first = args.backends.split(",")[0]
             t0 = time.time()

@@ -181,8 +181,7 @@ GRAPH_BOUND_GRID = {
     "VLLM_FA3_GRAPH_MAX_ROWS": (1024, 2048, 3072, 4096, 6144, 8192, 16384, 1 << 30),
     "VLLM_FA3_GRAPH_MAX_REQUEST_ROWS": (0, 8, 16),
     # 0: no batch of >= VLLM_FA3_LENGTH_ORDER_MIN_BATCH requests goes to FA3 by this bound
-    # (those of <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS rows a request still do, by their own
-    # bound: ``policy.vllm_fa3_graph_ordered_max_batch``).
+    # (those of <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS rows a request still do, by theirs).
     "VLLM_FA3_GRAPH_ORDERED_MAX_BATCH": (0, 256, 512, 1024),
     # True: those batches go to FA3 at 96 rows per request too (unevenly filled tiles).
     "VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES": (False, True),

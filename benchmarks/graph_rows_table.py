@@ -22,7 +22,7 @@ import argparse
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
-from bench_decode import parse_shape_name
+from bench_decode import int_range, parse_shape_name
 from evaluate_policy import GRAPH_ROW, ORACLE_ROWS, summary, timed_rows, vllm_peer_times
 
 #: The table's column of FlashMLA forced against FA3 forced.
@@ -94,14 +94,13 @@ def main() -> None:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--block", type=int, default=64, help="tokens per KV page")
     ap.add_argument("--rows", default="", help="comma-separated query rows per request")
-    ap.add_argument("--q-lens", default="1-4", metavar="LO-HI",
+    ap.add_argument("--q-lens", type=int_range, default=(1, 4), metavar="LO-HI",
                     help="query tokens per request of the shapes kept")
     args = ap.parse_args()
     keep = {int(r) for r in args.rows.split(",") if r}
-    lo, _, hi = args.q_lens.partition("-")
-    q_lens = range(int(lo), int(hi or lo) + 1)
+    lo, hi = args.q_lens
     timings = [t for t in graph_timings(args.files, args.block)
-               if (not keep or t["rows"] in keep) and t["q_len"] in q_lens]
+               if (not keep or t["rows"] in keep) and lo <= t["q_len"] <= hi]
     print("rows  batch     shapes  " + "  ".join(f"{n:>34}" for n in (GRAPH_ROW, *ORACLE_ROWS))
           + f"  {PAIR:>26}  decoder's routes")
     for line in group_table(timings):

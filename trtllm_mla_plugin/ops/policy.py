@@ -467,9 +467,9 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
     to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first; to
     ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` at up to
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS`` query rows a request:
-    ``vllm_fa3_graph_ordered_max_batch``) of specs outside ``splitk_candidate`` whose
-    query tiles are even (``uneven_query_tiles``), and for every batch of at most
+    ``VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS`` query rows a request) of specs
+    outside ``splitk_candidate`` whose query tiles are even (``uneven_query_tiles``), and
+    for every batch of at most
     ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
     ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
     requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
@@ -482,24 +482,16 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     request_rows = spec.num_heads * shape.max_q_len
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
-    if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size
-            <= vllm_fa3_graph_ordered_max_batch(request_rows)
+    largest_ordered = (VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH
+                       if request_rows <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS
+                       else VLLM_FA3_GRAPH_ORDERED_MAX_BATCH)
+    if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= largest_ordered
             and not splitk_candidate(spec)
             and (VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES
                  or not uneven_query_tiles(spec, shape.max_q_len))):
         return True
     rows = shape.batch_size * request_rows
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
-
-
-def vllm_fa3_graph_ordered_max_batch(request_rows: int) -> int:
-    """The most requests of ``request_rows`` query rows each (heads x query tokens) that
-    vLLM's FA3 kernel takes under CUDA graphs, launched longest first:
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` for narrow requests, else
-    ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``."""
-    if request_rows <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS:
-        return VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH
-    return VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
 
 
 def vllm_fa3_length_order(batch_size: int) -> bool:

@@ -46,6 +46,9 @@ prefix, which at b256 and 1k-8k prompts costs more than many decode steps and go
 the prefill path, not decode) and every fixed cost. Decode tokens/s = B / step. Column
 ``steps_each_ms``: every repeat's own estimate, to tell an engine instance's spread between
 its repeats from the spread between instances (rounds).
+Columns ``sm_mhz``, ``power_w`` (medians) and ``power_capped`` (share of samples with the
+power cap limiting the clock): ``nvidia-smi`` sampled over the timed ``generate(1 + N)``
+repeats (``gpu_clocks``), empty without it.
 ``tokens_per_s`` / ``tpot_ms`` are the whole ``generate(1 + N)`` (recompute step
 included), as in run 13. The attention share is the plugin decoder's own time for one
 layer at that batch (``ops.MLADecoder`` on the same lengths, CUDA-graph timed) x layers /
@@ -87,7 +90,8 @@ FIELDS = ["round", "heads", "kv", "backend", "batch", "output_len", "decode_s", 
           "tpot_ms", "short_len", "short_s", "step_ms", "decode_tokens_per_s", "route",
           "attn_layer_us", "attn_share", "status", "steps_each_ms", "core_step_ms",
           "core_steps_each_ms", "core_decode_tokens_per_s", "core_median_step_ms",
-          "core_step_quantiles_each_ms", "core_median_decode_tokens_per_s", "mtp"]
+          "core_step_quantiles_each_ms", "core_median_decode_tokens_per_s", "mtp",
+          "sm_mhz", "power_w", "power_capped"]
 
 
 def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -97,18 +101,20 @@ def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(batch)]
 
 
-def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None = None,
-                       block: int = 64, eager: bool = False,
-                       q_len: int = 1) -> tuple[str, float]:
-    """The plugin's decode of one layer for ``lens``, kernels only (no ``plan``): as under
-    CUDA graphs (batch-size-only route choice unless ``route`` forces one), graph-timed;
-    ``eager``: the route chosen with the lengths, as an ``enforce_eager`` engine's decoder
-    does, timed launch by launch. FP8 query where vLLM would hand one over. ``q_len``
-    query tokens a request (speculative decoding: 1 + draft tokens)."""
+def layer_decoder(heads: int, kv: str, lens: list[int], route: str | None = None,
+                  block: int = 64, eager: bool = False, q_len: int = 1,
+                  query_parts: bool = False) -> tuple:
+    """The plugin's decoder for one layer of ``heads`` heads over requests of ``lens``
+    tokens (random cache and query, pages in random order), planned as vLLM's builder plans
+    it (exact host lengths; ``eager``: routes ranked with them, else as under CUDA graphs by
+    batch size only, unless ``route`` forces one) and run once. FP8 query where vLLM would
+    hand one over; ``query_parts``: a 16-bit query in the two parts vLLM's MLA layer hands
+    over (``decode_kernels.engine_query_parts``), so a route that needs them concatenated
+    pays for it. ``q_len`` query tokens a request (speculative decoding: 1 + draft tokens).
+    Returns ``(decoder, query, cache)``."""
     from dataclasses import replace
 
     import torch
-    import triton.testing
 
     from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype
     from trtllm_mla_plugin.ops.platform import platform_of
@@ -118,7 +124,7 @@ def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None =
     spec = DecodeSpec(heads, 512, 64, block, torch.bfloat16,
                       torch.float8_e4m3fn if fp8 else torch.bfloat16, 1 / 192**0.5,
                       max_q_len=q_len)
-    spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device)))
+    spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), route))
     b = len(lens)
     need = [-(-n // block) for n in lens]
     table = torch.zeros(b, max(need), dtype=torch.int32)
@@ -129,6 +135,10 @@ def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None =
         start += n
     cache = torch.randn(sum(need), block, 576, device=device).to(spec.kv_dtype)
     query = torch.randn(b * q_len, heads, 576, device=device).to(spec.q_dtype)
+    if query_parts and query.element_size() == 2:
+        from decode_kernels import engine_query_parts
+
+        query = engine_query_parts(query, spec.kv_lora_rank)
     dec = MLADecoder(spec, device, b, route=route, cuda_graph=not eager)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     cu_q = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32)
@@ -139,6 +149,19 @@ def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None =
                          cu_seqlens_q_host=cu_q if several else None))
     dec.run(query, cache)
     torch.cuda.synchronize()
+    return dec, query, cache
+
+
+def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None = None,
+                       block: int = 64, eager: bool = False,
+                       q_len: int = 1) -> tuple[str, float]:
+    """The plugin's decode of one layer for ``lens`` (``layer_decoder``, one 576-wide
+    query), kernels only (no ``plan``): graph-timed as under CUDA graphs; ``eager``: timed
+    launch by launch, as an ``enforce_eager`` engine runs it."""
+    import torch
+    import triton.testing
+
+    dec, query, cache = layer_decoder(heads, kv, lens, route, block, eager, q_len)
     if eager:  # launched one by one, as the engine does
         ms = triton.testing.do_bench(lambda: dec.run(query, cache), warmup=10, rep=60,
                                      return_mode="median")
@@ -324,6 +347,8 @@ def worker(args: argparse.Namespace) -> None:
     """One engine: every batch size for one (heads, kv, backend); with ``--paired``, two
     engines in this process (``--backend A,B``) timed alternately."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from gpu_clocks import ClockSampler
+    from gpu_clocks import summarize as summarize_clocks
     from vllm import SamplingParams
 
     from trtllm_mla_plugin.testing.run_engine import record_step_intervals
@@ -354,11 +379,20 @@ def worker(args: argparse.Namespace) -> None:
         short = {n: [] for n in names}
         full = {n: [] for n in names}
         core = {n: CoreTiming(clocks[n]) for n in names}
+        gpu = {n: [] for n in names}
         for order in alternating(names, args.repeats):
             for n in order:
                 short[n].append(timed_generate(llms[n], prompts, args.short_len))
-                full[n].append(timed_generate(llms[n], prompts, args.output_len, core[n]))
+                with ClockSampler() as sampler:
+                    full[n].append(timed_generate(llms[n], prompts, args.output_len, core[n]))
+                gpu[n] += sampler.samples
         rows += [step_row(args, n, b, min(short[n]), min(full[n]), core[n]) for n in names]
+        # The GPU's clock over the timed 1 + N runs: a slower clock, not a slower kernel, is
+        # what a power-capped board shows (gpu_clocks).
+        for row, n in zip(rows[-len(names):], names, strict=True):
+            clock_summary = summarize_clocks(gpu[n])
+            if clock_summary is not None:
+                row.update(clock_summary.columns())
         # Every repeat's own step estimate too: how much one engine instance varies between
         # its repeats, against how much instances vary between rounds.
         span = args.output_len - args.short_len

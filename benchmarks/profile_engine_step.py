@@ -14,7 +14,8 @@ its kernels, with vLLM's profiling scopes on (``VLLM_CUSTOM_SCOPES_FOR_PROFILING
 these wrapped in scopes here: the model runner's ``execute_model``, ``sample_tokens`` and
 attention-metadata build, and the plugin's ``MLADecoder.plan``. After a prefill and a warm-up,
 ``generate(1 + steps)`` runs once untimed by the profiler (the step from the difference with
-``generate(1 + short)``, as in bench_engine) and once under ``torch.profiler``.
+``generate(1 + short)``, as in bench_engine; the GPU's clock and power sampled meanwhile,
+``gpu_clocks``) and once under ``torch.profiler``.
 
 The trace is summarised per decode step (``summarize``; medians over steps where a scope
 runs once per step): each scope's host time, CUDA runtime calls (count and time: graph and
@@ -38,6 +39,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import bench_engine  # this folder is on sys.path when a file of it runs as a script
+from gpu_clocks import ClockSampler
 
 #: Scopes wrapped here (where the class has the method), on top of vLLM's own ones. The
 #: engine core's step is the unit; vLLM 0.33 may run either model runner.
@@ -176,7 +178,8 @@ def worker(args: argparse.Namespace) -> None:
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     bench_engine.timed_generate(llm, prompts, args.short_len)  # warm-up
     short_s = min(bench_engine.timed_generate(llm, prompts, args.short_len) for _ in range(2))
-    long_s = min(bench_engine.timed_generate(llm, prompts, args.steps) for _ in range(2))
+    with ClockSampler() as clocks:
+        long_s = min(bench_engine.timed_generate(llm, prompts, args.steps) for _ in range(2))
     step_ms = (long_s - short_s) / (args.steps - args.short_len) * 1e3
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -190,7 +193,8 @@ def worker(args: argparse.Namespace) -> None:
     with gzip.open(Path(args.result).with_name(f"trace-{tag}.json.gz"), "wt") as f:
         json.dump(trace, f)
     summary = dict(backend=args.backend, kv=args.kv, heads=args.heads, batch=args.batch,
-                   layers=args.layers, step_ms_unprofiled=round(step_ms, 3))
+                   layers=args.layers, step_ms_unprofiled=round(step_ms, 3),
+                   clocks_unprofiled=clocks.summary.brief() if clocks.summary else None)
     try:
         summary.update(summarize(trace, top=args.top, eager=args.eager))
     except ValueError as error:
@@ -213,6 +217,8 @@ def print_comparison(summaries: list[dict]) -> None:
               f"{s['step_median_us']:.0f} us profiled; GPU busy "
               f"{s['gpu_busy_us_per_step']:.0f} us/step "
               f"({s['gpu_busy_fraction']:.0%} of the time)")
+        if s.get("clocks_unprofiled"):
+            print(f"  GPU over the unprofiled steps: {s['clocks_unprofiled']}")
         print("  host scopes (median per decode step):")
         for r in s["scopes"][:12]:
             print(f"    {r['median_us_per_step']:9.1f} us  {r['name']}")

@@ -2,7 +2,8 @@
 (``profile_engine_step.summarize``), the per-round backend order of ``bench_engine`` and the
 alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``, the paired
 engine ratios of ``summarize_engine``, how the FlashMLA peer is timed and scored, and the
-random sets' filters and ``graph_routes_ab``'s alternation."""
+random sets' filters and ``graph_routes_ab``'s alternation, the GPU clock sampler
+(``gpu_clocks``, against a stand-in ``nvidia-smi``) and ``sustained_decode``'s summary."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_decode
 import bench_engine
 import decode_kernels
+import gpu_clocks
 import profile_engine_step
 import summarize_engine
+import sustained_decode
 import torch
 from profile_engine_step import STEP_SCOPE, summarize
 
@@ -285,6 +288,8 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path, gpu
     monkeypatch.delenv(ROUTE_ENV_VAR, raising=False)
     monkeypatch.setattr(bench_engine, "make_llm", make_llm)
     monkeypatch.setattr(bench_engine, "attention_layer_us", lambda *a, **k: ("flashmla", 10.0))
+    monkeypatch.setattr(gpu_clocks, "ClockSampler", _FixedClocks)
+    monkeypatch.setattr(_FixedClocks, "regions", 0)
 
     def stop(code):
         raise SystemExit(code)
@@ -307,6 +312,27 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path, gpu
     assert [r["step_ms"] for r in rows] == ["1.000", "1.000"]
     # ... and each repeat's own estimate, in order.
     assert [r["steps_each_ms"] for r in rows] == ["1.000;2.000", "1.000;2.000"]
+    # The GPU's clock over each engine's two timed 1 + N runs (two samples each), nothing
+    # sampled around the shorter runs.
+    assert _FixedClocks.regions == 4
+    assert [(r["sm_mhz"], r["power_w"], r["power_capped"]) for r in rows] == [
+        ("1868", "675", "0.50"), ("1868", "675", "0.50")]
+
+
+class _FixedClocks:
+    """Stands in for ``gpu_clocks.ClockSampler``: two samples per timed region, one at
+    1755 MHz power-capped, one at 1980 MHz."""
+
+    regions = 0
+
+    def __enter__(self):
+        _FixedClocks.regions += 1
+        self.samples = [gpu_clocks.Sample(1755.0, 700.0, 60.0, True, False),
+                        gpu_clocks.Sample(1980.0, 650.0, 58.0, False, False)]
+        return self
+
+    def __exit__(self, *exc):
+        return None
 
 
 def test_next_engine_waits_for_the_gpu_memory_of_the_last():
@@ -1227,3 +1253,92 @@ def test_mtp_engines_capture_their_decode_batches_in_tokens():
     assert "speculative_config" not in plain
     eager = bench_engine.engine_mode_args(argparse.Namespace(eager=True, mtp=3), "FLASHMLA", [8])
     assert eager["enforce_eager"] and eager["speculative_config"]["num_speculative_tokens"] == 3
+
+
+def _fake_nvidia_smi(folder: Path, old_driver: bool) -> Path:
+    """An ``nvidia-smi`` for the sampler's tests: answers one query (the field probe), or
+    with ``--loop-ms`` prints a sample every 20 ms until stopped, alternately power-capped
+    at 1755 MHz / 699.1 W and not at 1980 MHz / 650 W. ``old_driver``: refuses the
+    ``clocks_event_reasons`` field names as drivers before 535 do."""
+    smi = folder / "nvidia-smi"
+    refuse = "*clocks_event_reasons*" if old_driver else "*no-such-field*"
+    smi.write_text(f"""#!/bin/bash
+q=""; loop=""
+for a in "$@"; do
+  case "$a" in --query-gpu=*) q="${{a#--query-gpu=}}";; --loop-ms=*) loop=1;; esac
+done
+case "$q" in {refuse}) echo "Field is not a valid field to query." ; exit 2;; esac
+if [ -z "$loop" ]; then echo "1980, 100.00, 40, Not Active, Not Active, Not Active"; exit 0; fi
+i=0
+while true; do
+  if [ $((i % 2)) = 0 ]; then echo "1755, 699.10, 61, Active, Not Active, Not Active"
+  else echo "1980, 650.00, 60, Not Active, Not Active, Not Active"; fi
+  i=$((i + 1)); sleep 0.02
+done
+""")
+    smi.chmod(0o755)
+    return smi
+
+
+@pytest.mark.parametrize("old_driver", [False, True])
+def test_clock_sampler_reads_nvidia_smi_while_the_region_runs(monkeypatch, tmp_path,
+                                                              old_driver):
+    _fake_nvidia_smi(tmp_path, old_driver)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with gpu_clocks.ClockSampler(interval_ms=20) as sampler:
+        time.sleep(0.5)
+    n = len(sampler.samples)
+    assert n >= 3
+    assert sampler._fields_used == gpu_clocks.FIELD_SETS[1 if old_driver else 0]
+    summary = sampler.summary
+    assert (summary.samples, summary.sm_mhz_min, summary.power_w_max, summary.temp_c_max) == (
+        n, 1755.0, 699.1, 61.0)
+    assert summary.power_capped == pytest.approx(((n + 1) // 2) / n)
+    assert summary.slowdown == 0.0
+    assert "power-capped" in summary.brief()
+
+
+def test_clock_sampler_without_nvidia_smi_samples_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    ran = False
+    with gpu_clocks.ClockSampler() as sampler:
+        ran = True
+    assert ran and sampler.samples == [] and sampler.summary is None
+
+
+def test_clock_samples_parse_what_nvidia_smi_prints():
+    fields = gpu_clocks.FIELD_SETS[0]
+    text = ("1980, 512.30, 45, Not Active, Not Active, Not Active\n"
+            "1755, [N/A], 47, Active, Not Active, Active\n"
+            "Unable to determine the device handle\n"
+            "1830, 600.00, 46, Active, Not")  # cut off when the sampler was stopped
+    a, b = gpu_clocks.parse_samples(text, fields)
+    assert a == gpu_clocks.Sample(1980.0, 512.3, 45.0, False, False)
+    assert b == gpu_clocks.Sample(1755.0, None, 47.0, True, True)
+    summary = gpu_clocks.summarize([a, b])
+    assert (summary.sm_mhz, summary.power_w, summary.power_capped, summary.slowdown) == (
+        1867.5, 512.3, 0.5, 0.5)
+    assert summary.columns() == {"sm_mhz": "1868", "power_w": "512", "power_capped": "0.50"}
+    # A driver that names no reasons: no share is claimed.
+    [c] = gpu_clocks.parse_samples("1980, 500, 40", gpu_clocks.FIELD_SETS[2])
+    assert gpu_clocks.summarize([c]).power_capped is None
+    assert gpu_clocks.summarize([]) is None
+
+
+def test_sustained_summary_takes_each_routes_median_block_and_compares_to_the_first(capsys):
+    rows = []
+    for block, (flashmla, fa3) in enumerate([(760, 790), (770, 780), (900, 785)]):
+        for route, burst, sustained, mhz in (("flashmla", 750, flashmla, 1700),
+                                             ("vllm-fa3-mla", 780, fa3, 1800)):
+            rows += [dict(route=route, mode="burst", us_per_layer=str(burst), sm_mhz="1980"),
+                     dict(route=route, mode="sustained", us_per_layer=str(sustained),
+                          sm_mhz=str(mhz + block))]
+    table = sustained_decode.medians(rows)
+    assert table[("flashmla", "sustained")] == dict(us=770.0, sm_mhz=1701.0, blocks=3)
+    assert table[("vllm-fa3-mla", "burst")] == dict(us=780.0, sm_mhz=1980.0, blocks=3)
+    sustained_decode.print_summary(rows)
+    out = capsys.readouterr().out.splitlines()
+    fa3 = next(line for line in out if line.strip().startswith("vllm-fa3-mla")).split()
+    # burst us, MHz, sustained us, MHz, sustained/burst, vs the first route burst, sustained
+    assert fa3[1:] == ["780.0", "1980", "785.0", "1801", f"{785 / 780:.3f}",
+                       f"{780 / 750:.3f}", f"{785 / 770:.3f}"]

@@ -269,10 +269,34 @@ def capture_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> torch.cuda.CUDA
     return capture_calls(lambda i: fn(case.caches[i % len(case.caches)]), reps)
 
 
+#: ``--sustain S``: every timing first replays its graph for S seconds, so that it is taken
+#: at the clock seconds of such work leave the GPU at, as in an engine (docs/benchmarks.md,
+#: "Method", sustained load); 0: timed right after set-up, as runs 1-218.
+SUSTAIN_S = 0.0
+
+
+def keep_busy(replay: Callable[[], object], seconds: float,
+              sync: Callable[[], object] | None = None) -> int:
+    """``replay`` launched back to back for ``seconds`` (host time), the host waiting for
+    the GPU every four launches so that the time is the GPU's; the number of launches."""
+    sync = sync or torch.cuda.synchronize
+    launches = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(4):
+            replay()
+        launches += 4
+        sync()
+    return launches
+
+
 def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> float:
-    """Median microseconds of one call, from replays of a graph of ``reps`` calls."""
+    """Median microseconds of one call, from replays of a graph of ``reps`` calls (after
+    ``SUSTAIN_S`` seconds of them)."""
     import triton.testing
 
+    if SUSTAIN_S > 0:
+        keep_busy(graph.replay, SUSTAIN_S)
     ms = triton.testing.do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
     return ms * 1e3 / reps
 
@@ -605,7 +629,7 @@ def prewarm_jit() -> None:
 
 
 def main() -> None:
-    global COPY_BPS, EXTRA_ROUTES, SPLITK_CONFIGS
+    global COPY_BPS, EXTRA_ROUTES, SPLITK_CONFIGS, SUSTAIN_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true", help="8 representative shapes only")
@@ -654,6 +678,9 @@ def main() -> None:
                          "(latent, rope) and let vLLM's FLASHMLA peer concatenate them, as "
                          "in the engine (decode_kernels.QUERY_PARTS); default: one "
                          "576-wide query for every kernel, as runs 1-218")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                    help="replay each graph for S seconds before timing it (the clock an "
+                         "engine's seconds of work leave; bench_decode.SUSTAIN_S)")
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
                          "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "
@@ -661,6 +688,10 @@ def main() -> None:
     args = ap.parse_args()
     EXTRA_ROUTES = tuple(r for r in args.extra_routes.split(",") if r)
     decode_kernels.QUERY_PARTS = args.query_parts
+    SUSTAIN_S = args.sustain
+    if SUSTAIN_S:
+        print(f"every graph replayed for {SUSTAIN_S:g} s before it is timed (--sustain)",
+              flush=True)
     if args.query_parts:
         print("queries in vLLM's two parts (--query-parts)", flush=True)
     SPLITK_CONFIGS = tuple(tuple(int(v) for v in c.split(","))

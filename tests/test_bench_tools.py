@@ -1342,3 +1342,33 @@ def test_sustained_summary_takes_each_routes_median_block_and_compares_to_the_fi
     # burst us, MHz, sustained us, MHz, sustained/burst, vs the first route burst, sustained
     assert fa3[1:] == ["780.0", "1980", "785.0", "1801", f"{785 / 780:.3f}",
                        f"{780 / 750:.3f}", f"{785 / 770:.3f}"]
+
+
+def test_sustain_replays_each_graph_for_its_seconds_before_the_timing(monkeypatch):
+    """``--sustain S``: the timed replays come after S seconds of the same graph's replays,
+    the host waiting for the GPU between them; without it the timing starts at once."""
+    import triton.testing
+
+    log = []
+
+    class _Graph:
+        def replay(self):
+            log.append("replay")
+
+    def do_bench(fn, warmup, rep, return_mode):
+        log.append("timed")
+        return 2.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(bench_decode.torch.cuda, "synchronize", lambda: log.append("sync"))
+    assert bench_decode.time_replays(_Graph()) == 200.0
+    assert log == ["timed"]
+    log.clear()
+    monkeypatch.setattr(bench_decode, "SUSTAIN_S", 0.05)
+    t0 = time.perf_counter()
+    assert bench_decode.time_replays(_Graph()) == 200.0
+    assert time.perf_counter() - t0 >= 0.05
+    assert log[-1] == "timed" and log.count("timed") == 1
+    busy = log[:-1]
+    assert busy.count("replay") >= 4 and busy.count("replay") == 4 * busy.count("sync")
+    assert busy[:5] == ["replay"] * 4 + ["sync"]

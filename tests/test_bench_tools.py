@@ -325,6 +325,9 @@ class _FixedClocks:
 
     regions = 0
 
+    def __init__(self, interval_ms: int = 100, gpu: str | None = None):
+        pass
+
     def __enter__(self):
         _FixedClocks.regions += 1
         self.samples = [gpu_clocks.Sample(1755.0, 700.0, 60.0, True, False),
@@ -333,6 +336,10 @@ class _FixedClocks:
 
     def __exit__(self, *exc):
         return None
+
+    @property
+    def summary(self):
+        return gpu_clocks.summarize(self.samples)
 
 
 def test_next_engine_waits_for_the_gpu_memory_of_the_last():
@@ -1372,3 +1379,91 @@ def test_sustain_replays_each_graph_for_its_seconds_before_the_timing(monkeypatc
     busy = log[:-1]
     assert busy.count("replay") >= 4 and busy.count("replay") == 4 * busy.count("sync")
     assert busy[:5] == ["replay"] * 4 + ["sync"]
+
+
+def test_sustained_decode_times_each_routes_step_graph_in_alternating_blocks(monkeypatch,
+                                                                             tmp_path, capsys):
+    """``sustained_decode.py`` end to end with the GPU's parts stood in for: one graph of
+    ``--layers`` decodes per route on the engine's lengths in vLLM's query form, blocks
+    alternating A B, B A, both modes per block, times per layer, clocks beside them."""
+    import triton.testing
+
+    planned, running, captured = [], [None], []
+
+    class _Decoder:
+        def __init__(self, route):
+            self.route = type("R", (), {"name": route})()
+
+        def run(self, query, cache):
+            captured[-1].route = self.route.name  # the graph being captured runs this route
+
+    def layer_decoder(heads, kv, lens, route, q_len, query_parts):
+        planned.append((heads, kv, len(lens), min(lens), route, q_len, query_parts))
+        return _Decoder(route), "query", "cache"
+
+    class _Graph:
+        route = None
+
+        def replay(self):
+            running[0] = self.route
+
+    class _Capture:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def __enter__(self):
+            captured.append(self.graph)
+
+        def __exit__(self, *exc):
+            return None
+
+    class _Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            self.route = running[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):  # ms per replay of 24 layers: 24 or 19.2 per route
+            return 24.0 if end.route == "flashmla" else 19.2
+
+    monkeypatch.setattr(bench_engine, "layer_decoder", layer_decoder)
+    monkeypatch.setattr(sustained_decode.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sustained_decode, "ClockSampler", _FixedClocks)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", _Capture)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def do_bench(fn, warmup, rep, return_mode):
+        fn()
+        return 12.0 if running[0] == "flashmla" else 24.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(sys, "argv", [
+        "sustained_decode.py", "--out", str(tmp_path), "--heads", "128", "--batch", "5",
+        "--q-len", "3", "--min-prompt", "100", "--max-prompt", "200", "--output-len", "20",
+        "--layers", "24", "--blocks", "2", "--seconds", "0.01"])
+    sustained_decode.main()
+    assert [p[4] for p in planned] == ["vllm-fa3-mla", "flashmla"]
+    assert all(p[:3] == (128, "auto", 5) and p[3] >= 110 and p[5:] == (3, True)
+               for p in planned)
+    with open(tmp_path / "sustained.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["block"], r["route"], r["mode"]) for r in rows] == [
+        ("0", "vllm-fa3-mla", "burst"), ("0", "vllm-fa3-mla", "sustained"),
+        ("0", "flashmla", "burst"), ("0", "flashmla", "sustained"),
+        ("1", "flashmla", "burst"), ("1", "flashmla", "sustained"),
+        ("1", "vllm-fa3-mla", "burst"), ("1", "vllm-fa3-mla", "sustained")]
+    per_layer = {(r["route"], r["mode"]): r["us_per_layer"] for r in rows}
+    assert per_layer == {("vllm-fa3-mla", "burst"): "1000.0", ("flashmla", "burst"): "500.0",
+                         ("vllm-fa3-mla", "sustained"): "800.0",
+                         ("flashmla", "sustained"): "1000.0"}
+    assert all(r["sm_mhz"] == "1868" and int(r["replays"]) >= (r["mode"] == "sustained")
+               for r in rows)
+    flashmla = next(line for line in capsys.readouterr().out.splitlines()
+                    if line.strip().startswith("flashmla")).split()
+    assert flashmla[-2:] == ["0.500", "1.250"]  # FlashMLA / FA3: burst, sustained

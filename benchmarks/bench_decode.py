@@ -275,19 +275,14 @@ def capture_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> torch.cuda.CUDA
 SUSTAIN_S = 0.0
 
 
-def keep_busy(replay: Callable[[], object], seconds: float,
-              sync: Callable[[], object] | None = None) -> int:
+def keep_busy(replay: Callable[[], object], seconds: float) -> None:
     """``replay`` launched back to back for ``seconds`` (host time), the host waiting for
-    the GPU every four launches so that the time is the GPU's; the number of launches."""
-    sync = sync or torch.cuda.synchronize
-    launches = 0
+    the GPU every four launches so that the time is the GPU's."""
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         for _ in range(4):
             replay()
-        launches += 4
-        sync()
-    return launches
+        torch.cuda.synchronize()
 
 
 def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> float:

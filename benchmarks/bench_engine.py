@@ -101,6 +101,13 @@ def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(batch)]
 
 
+def attention_lens(args: argparse.Namespace, batch: int) -> list[int]:
+    """The request lengths the attention share is timed on: the batch's prompts
+    (``prompt_lens``) each grown by half the output, the middle of the timed decode."""
+    lens = prompt_lens(batch, args.min_prompt, args.max_prompt, args.seed)
+    return [n + args.output_len // 2 for n in lens]
+
+
 def layer_decoder(heads: int, kv: str, lens: list[int], route: str | None = None,
                   block: int = 64, eager: bool = False, q_len: int = 1,
                   query_parts: bool = False) -> tuple:
@@ -407,8 +414,7 @@ def worker(args: argparse.Namespace) -> None:
     for row in rows:
         backend, _, route = row["backend"].partition("@")
         if backend == "TRTLLM_MLA":
-            lens = prompt_lens(int(row["batch"]), args.min_prompt, args.max_prompt, args.seed)
-            lens = [n + args.output_len // 2 for n in lens]
+            lens = attention_lens(args, int(row["batch"]))
             try:
                 served_by, us = attention_layer_us(args.heads, args.kv, lens, route or None,
                                                    eager=args.eager, q_len=q_len)

@@ -22,7 +22,7 @@ tensor, as the kernel benchmarks), one CUDA graph of ``--layers`` decodes (a ste
 attention). Then, routes alternated block by block (A B, B A, ...):
 
 - ``burst``: after ``--idle`` seconds with the GPU idle, the graph timed as the kernel
-  benchmarks time it (``triton.testing.do_bench``, 60 ms, median);
+  benchmarks time it (``bench_decode.time_replays``: ``do_bench``, 60 ms, median);
 - ``sustained``: the graph replayed back to back for ``--seconds``, each replay timed with
   CUDA events; the median of the second half.
 
@@ -71,10 +71,9 @@ def time_sustained(replay, seconds: float) -> tuple[float, int]:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     import torch
-    import triton.testing
+    from bench_decode import time_replays
 
-    lens = bench_engine.prompt_lens(args.batch, args.min_prompt, args.max_prompt, args.seed)
-    lens = [n + args.output_len // 2 for n in lens]
+    lens = bench_engine.attention_lens(args, args.batch)
     routes = args.routes.split(",")
     graphs, served = {}, {}
     for route in routes:
@@ -95,23 +94,23 @@ def measure(args: argparse.Namespace) -> list[dict]:
             replay = graphs[route][0].replay
             time.sleep(args.idle)
             with ClockSampler(interval_ms=50) as clocks:
-                ms = triton.testing.do_bench(replay, warmup=10, rep=60, return_mode="median")
-            rows.append(row(route, served[route], block, "burst", ms, 0, clocks, args.layers))
+                us = time_replays(graphs[route][0], args.layers)
+            rows.append(row(route, served[route], block, "burst", us, 0, clocks))
             with ClockSampler(interval_ms=50) as clocks:
                 ms, n = time_sustained(replay, args.seconds)
-            rows.append(row(route, served[route], block, "sustained", ms, n, clocks,
-                            args.layers))
+            rows.append(row(route, served[route], block, "sustained", ms * 1e3 / args.layers,
+                            n, clocks))
             print(f"block {block} {route}: burst {rows[-2]['us_per_layer']} us/layer, "
                   f"sustained {rows[-1]['us_per_layer']} ({n} replays); "
                   f"{describe(rows[-2])} | {describe(rows[-1])}", flush=True)
     return rows
 
 
-def row(route: str, served_by: str, block: int, mode: str, ms: float, replays: int,
-        clocks: ClockSampler, layers: int) -> dict:
+def row(route: str, served_by: str, block: int, mode: str, us_per_layer: float,
+        replays: int, clocks: ClockSampler) -> dict:
     summary = clocks.summary
     return dict(route=route, served_by=served_by, block=block, mode=mode,
-                us_per_layer=f"{ms * 1e3 / layers:.1f}", replays=replays,
+                us_per_layer=f"{us_per_layer:.1f}", replays=replays,
                 **(summary.columns() if summary else {}))
 
 

@@ -319,14 +319,11 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path, gpu
         ("1868", "675", "0.50"), ("1868", "675", "0.50")]
 
 
-class _FixedClocks:
-    """Stands in for ``gpu_clocks.ClockSampler``: two samples per timed region, one at
-    1755 MHz power-capped, one at 1980 MHz."""
+class _FixedClocks(gpu_clocks.ClockSampler):
+    """``gpu_clocks.ClockSampler`` without ``nvidia-smi``: two samples per timed region,
+    one at 1755 MHz power-capped, one at 1980 MHz."""
 
     regions = 0
-
-    def __init__(self, interval_ms: int = 100, gpu: str | None = None):
-        pass
 
     def __enter__(self):
         _FixedClocks.regions += 1
@@ -336,10 +333,6 @@ class _FixedClocks:
 
     def __exit__(self, *exc):
         return None
-
-    @property
-    def summary(self):
-        return gpu_clocks.summarize(self.samples)
 
 
 def test_next_engine_waits_for_the_gpu_memory_of_the_last():

@@ -142,11 +142,13 @@ def layer_decoder(heads: int, kv: str, lens: list[int], route: str | None = None
         start += n
     cache = torch.randn(sum(need), block, 576, device=device).to(spec.kv_dtype)
     query = torch.randn(b * q_len, heads, 576, device=device).to(spec.q_dtype)
+    join = None
     if query_parts and query.element_size() == 2:
-        from decode_kernels import engine_query_parts
+        from decode_kernels import engine_query_join, engine_query_parts
 
         query = engine_query_parts(query, spec.kv_lora_rank)
-    dec = MLADecoder(spec, device, b, route=route, cuda_graph=not eager)
+        join = engine_query_join(spec)
+    dec = MLADecoder(spec, device, b, route=route, cuda_graph=not eager, query_join=join)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     cu_q = torch.arange(0, b * q_len + 1, q_len, dtype=torch.int32)
     several = q_len > 1

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype
+from trtllm_mla_plugin.ops import (
+    DecodeBatch,
+    DecodeSpec,
+    MLADecoder,
+    QueryJoin,
+    engine_query_dtype,
+)
 from trtllm_mla_plugin.ops.platform import platform_of
 from trtllm_mla_plugin.ops.routes import ROUTES
 
@@ -84,6 +90,18 @@ def engine_query_parts(query: torch.Tensor,
     return ql_nope, projected[..., QK_NOPE_DIM:]
 
 
+def engine_query_join(spec: DecodeSpec) -> QueryJoin | None:
+    """The join of the query's parts the vLLM backend hands its decoders
+    (``vllm_query_join``: vLLM's fused ``concat_mla_q``), or ``None`` (the decoder's own
+    two copies) where vLLM or its op is missing."""
+    try:
+        from trtllm_mla_plugin.vllm_backend.query_join import vllm_query_join
+
+        return vllm_query_join(spec)
+    except ImportError:
+        return None
+
+
 def fp8_query(query: torch.Tensor) -> torch.Tensor:
     """``query`` as vLLM hands it to an FP8-query decode (q_scale 1: saturated to e4m3)."""
     return query.clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -111,7 +129,8 @@ def decoder_kernel(
         reason = ROUTES[route].unsupported_reason(spec, platform_of(device))
         if reason is not None:
             return Kernel(name, absent=f"not eligible: {reason}")
-    dec = MLADecoder(spec, device, case.batch.batch_size, route=route, cuda_graph=cuda_graph)
+    dec = MLADecoder(spec, device, case.batch.batch_size, route=route, cuda_graph=cuda_graph,
+                     query_join=engine_query_join(spec) if isinstance(query, tuple) else None)
     dec.sort_override = sort
     dec.plan(case.batch)
     out = torch.empty(case.query.shape[0], spec.num_heads, spec.kv_lora_rank,

@@ -12,6 +12,7 @@ from trtllm_mla_plugin.ops import (
     Platform,
     choose_route,
     engine_query_dtype,
+    join_query_parts,
     mla_decode,
     mla_decode_reference,
 )
@@ -224,6 +225,41 @@ def test_query_in_two_parts_matches_the_concatenated_query():
         decoder.run((latent, rope[:1]), kv)
     with pytest.raises(ValueError, match="dtype mismatch"):
         decoder.run((latent, rope.double()), kv)
+
+
+def test_query_parts_are_joined_by_the_decoders_query_join():
+    """A route that reads one query tensor gets the parts through ``query_join`` (an
+    engine's fused kernel): what it writes is what is decoded; the default, two copies,
+    joins a strided rope part as ``torch.cat`` does."""
+    s, batch, query, kv = cpu_problem(q_len=2)
+    latent = query[..., :8].contiguous()
+    projected = torch.zeros(*query.shape[:2], 3 + 4)
+    projected[..., 3:] = query[..., 8:]
+    rope = projected[..., 3:]  # strided, as vLLM's q_pe view of the projection
+    out = torch.empty_like(query)
+    join_query_parts(latent, rope, out)
+    assert torch.equal(out, torch.cat((latent, rope), dim=-1))
+
+    calls = []
+
+    def zero_rope_join(a, b, joined):
+        calls.append((a.shape, b.shape, joined.shape))
+        joined[..., :8].copy_(a)
+        joined[..., 8:].zero_()
+
+    decoder = MLADecoder(s, "cpu", max_batch_size=4, query_join=zero_rope_join)
+    decoder.plan(batch)
+    got = decoder.run((latent, rope), kv)
+    assert calls == [(latent.shape, rope.shape, query.shape)]
+    no_rope = torch.cat((latent, torch.zeros_like(rope)), dim=-1)
+    want = mla_decode_reference(no_rope.double(), kv.double(), batch.block_table,
+                                batch.seq_lens, 0.5, 8)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    full = mla_decode_reference(query.double(), kv.double(), batch.block_table,
+                                batch.seq_lens, 0.5, 8)
+    assert not torch.allclose(got.double(), full, rtol=1e-3, atol=1e-4)
+    decoder.run(query, kv)  # a whole query is never joined
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(

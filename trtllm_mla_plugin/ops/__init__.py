@@ -5,9 +5,11 @@ Imports no engine (vLLM) and no kernel package at import time.
 
 from .decoder import (
     MLADecoder,
+    QueryJoin,
     RouteChoice,
     choose_route,
     engine_query_dtype,
+    join_query_parts,
     mla_decode,
     route_set,
     small_prefill_choice,
@@ -24,9 +26,11 @@ __all__ = [
     "KVScales",
     "MLADecoder",
     "Platform",
+    "QueryJoin",
     "RouteChoice",
     "choose_route",
     "engine_query_dtype",
+    "join_query_parts",
     "mla_decode",
     "mla_decode_reference",
     "platform_of",

@@ -27,6 +27,7 @@ from ..ops import (
     small_prefill_spec,
 )
 from .decode_spec import forced_route, forced_short_prefill_route, model_decode_spec
+from .query_join import vllm_query_join
 
 logger = init_logger(logger_name(__name__))
 
@@ -97,7 +98,8 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         # The persistent decoder: one per KV-cache group, planned once per step and shared
         # by every layer of the group, so its buffers keep stable addresses for CUDA graphs.
         self.decoder = MLADecoder(
-            spec, device, max_batch, route=forced_route(), cuda_graph=full_graphs
+            spec, device, max_batch, route=forced_route(), cuda_graph=full_graphs,
+            query_join=vllm_query_join(spec),
         )
         self.small_prefill_decoder = self._small_prefill_decoder(spec, device, max_batch)
         if self.small_prefill_decoder is not None:
@@ -141,7 +143,8 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
             if choice is None:
                 return None
             name = choice.name
-        return MLADecoder(small_prefill_spec(spec), device, max_batch, route=name)
+        return MLADecoder(small_prefill_spec(spec), device, max_batch, route=name,
+                          query_join=vllm_query_join(spec))
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         # vLLM's host copy of the lengths (exact outside async speculative decoding) lets the

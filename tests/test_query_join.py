@@ -1,0 +1,50 @@
+"""The vLLM backend hands its decoders vLLM's fused query join where the build has it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_mla_plugin.ops import DecodeSpec
+
+pytest.importorskip("vllm")
+from trtllm_mla_plugin.vllm_backend.query_join import vllm_query_join
+
+
+def spec(kv_lora_rank: int = 512, rope_dim: int = 64) -> DecodeSpec:
+    return DecodeSpec(16, kv_lora_rank, rope_dim, 64, torch.bfloat16, torch.bfloat16, 0.07)
+
+
+def build_has_concat_op() -> bool:
+    try:
+        torch.ops._C_cache_ops.concat_mla_q  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dims", [(256, 64), (512, 32), (1000, 64)])
+def test_dims_outside_the_kernels_contract_keep_the_decoders_join(dims):
+    assert vllm_query_join(spec(*dims)) is None
+
+
+def test_a_build_without_the_op_keeps_the_decoders_join():
+    if build_has_concat_op():
+        pytest.skip("this vLLM build has concat_mla_q (a CUDA build)")
+    assert vllm_query_join(spec()) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_vllms_join_equals_torch_cat_on_the_engines_parts():
+    """On a CUDA build: the latent part contiguous, the rope part a strided view of the
+    projection's 128 + 64 columns a head, as vLLM's MLA layer hands them over."""
+    join = vllm_query_join(spec())
+    assert join is not None, "vLLM's CUDA build should have concat_mla_q"
+    torch.manual_seed(0)
+    for tokens, heads in ((1, 16), (480, 128), (37, 64)):
+        latent = torch.randn(tokens, heads, 512, dtype=torch.bfloat16, device="cuda")
+        projected = torch.randn(tokens, heads, 128 + 64, dtype=torch.bfloat16, device="cuda")
+        rope = projected[..., 128:]
+        out = torch.empty(tokens, heads, 576, dtype=torch.bfloat16, device="cuda")
+        join(latent, rope, out)
+        assert torch.equal(out, torch.cat((latent, rope), dim=-1))

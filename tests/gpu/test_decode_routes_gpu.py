@@ -155,3 +155,54 @@ def test_short_prefills_on_their_decode_route(heads: int, split: bool) -> None:
     rel_bound, max_bound = bounds(p)
     print(f"[{choice.name} short prefills h{heads} split={split}] rel={rel:.2e} max={worst:.2e}")
     assert rel < rel_bound and worst < max_bound, (rel, worst)
+
+
+def _vllm_join():
+    """vLLM's fused join where vLLM (a CUDA build) is importable here, else ``None``."""
+    try:
+        from trtllm_mla_plugin.vllm_backend.query_join import vllm_query_join
+    except ImportError:
+        return None
+    return vllm_query_join
+
+
+PARTS_CASES = [c for c in CASES if c[0] in ("h16-b64-edges", "h16-q-ragged",
+                                               "h128-b32-q4-uniform", "h64-b64-q3-fp16")]
+
+
+@pytest.mark.parametrize("join", ["decoder", "vllm"])
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", PARTS_CASES, ids=[c[0] for c in PARTS_CASES])
+def test_route_matches_reference_on_vllms_query_parts(route: str, case: tuple,
+                                                      join: str) -> None:
+    """The query as vLLM's MLA layer hands it over (the latent part contiguous, the rope
+    part a strided view of the projection's 128 + 64 columns a head), joined by the
+    decoder's own copies or by vLLM's ``concat_mla_q`` for routes that read it whole."""
+    _, heads, block, lens, q_lens, dtype, kv_dtype, _ = case
+    device = torch.device("cuda")
+    torch.manual_seed(hash((route, case[0], join)) % 2**31)
+    p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_lens, dtype=dtype,
+                     kv_dtype=kv_dtype, device=device)
+    if (reason := route_skip_reason(route, p.spec, device)) is not None:
+        pytest.skip(reason)
+    query_join = None
+    if join == "vllm":
+        make = _vllm_join()
+        query_join = make(p.spec) if make is not None else None
+        if query_join is None:
+            pytest.skip("vLLM's concat_mla_q is not importable here")
+    projected = torch.randn(p.query.shape[0], heads, 128 + 64, dtype=dtype, device=device)
+    projected[..., 128:] = p.query[..., 512:]
+    parts = (p.query[..., :512].contiguous(), projected[..., 128:])
+    decoder = MLADecoder(p.spec, device, max_batch_size=len(lens), route=route,
+                         query_join=query_join)
+    decoder.plan(with_host_lengths(p.batch))
+    out = torch.full((p.query.shape[0], heads, 512), float("nan"), dtype=decoder.output_dtype,
+                     device=device)
+    decoder.run(parts, p.kv_cache, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "some output elements were not written (NaN poison left)"
+    rel, worst = errors(out, reference(p, route))
+    rel_bound, max_bound = bounds(p)
+    print(f"[{route} {case[0]} parts, {join} join] rel={rel:.2e} max={worst:.2e}")
+    assert rel < rel_bound and worst < max_bound, (rel, worst)

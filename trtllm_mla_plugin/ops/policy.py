@@ -233,9 +233,10 @@ VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 # 132 such requests ran 1.037x FA3 kernel for kernel (run 211, one 576-wide query for both),
 # but in the engine the plugin on FlashMLA decoded at 0.909x FLASH_ATTN_MLA (h128 24 layers,
 # b160, MTP 2, two paired rounds 0.913 and 0.905; run 217) and on FA3 forced at 1.000x (run
-# 218). Part of the gap: vLLM hands the query over in its latent and rope parts, which FA3
-# reads apart and FlashMLA needs concatenated; the rest is not explained yet
-# (docs/benchmarks.md, "Tall requests in the engine").
+# 218). The gap was the join of vLLM's two query parts, which FA3 reads apart and FlashMLA
+# needs whole: torch.cat took 152 us a layer (run 220), the fused join the decoder now uses
+# 40 us, which leaves FlashMLA at about FA3's speed there (expected, not yet run in the
+# engine; docs/benchmarks.md, "The query join").
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to

@@ -121,8 +121,8 @@ class TrtllmMLAImpl(MLACommonImpl[TrtllmMLAMetadata]):
         attn_metadata: TrtllmMLAMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # A 16-bit query arrives as its (latent, rope) parts: the decoder concatenates them
-        # only for routes that cannot read them apart.
+        # A 16-bit query arrives as its (latent, rope) parts: the decoder joins them (with
+        # vLLM's fused kernel, query_join.vllm_query_join) only for routes that read it whole.
         # An FP8 query was quantised by vLLM with q_scale; a wider one is in real values.
         # MLA's single latent cache is quantised with k_scale for both its K and V roles (as
         # in vLLM's FlashMLA, FlashInfer and Triton MLA backends).

@@ -148,7 +148,8 @@ class DecodeRoute(ABC):
     own_output: ClassVar[bool] = False
     #: ``run`` also takes the query as its two parts ``(latent [num_tokens, heads, Dc],
     #: rope [num_tokens, heads, Dr])``, as vLLM hands them over for 16-bit caches; other
-    #: routes get them concatenated by the decoder (one copy of the query per layer).
+    #: routes get them joined by the decoder (``MLADecoder.query_join``: one copy of the
+    #: query per layer).
     takes_split_query: ClassVar[bool] = False
 
     @classmethod

@@ -1,8 +1,9 @@
 """How the *current* SM90 policy does on measured shapes, without a GPU.
 
 ``python benchmarks/evaluate_policy.py [--graph | --measured | --oracle [--node-us US]]
-[--vs PEER] shapes.jsonl FILE.csv ...`` reads bench_decode.py output (every route of the
-policy timed forced on every shape, and every peer), picks for each bf16 shape the route
+[--vs PEER] [--query-join fused|copies|cat] shapes.jsonl FILE.csv ...`` reads
+bench_decode.py output (every route of the policy timed forced on every shape, and every
+peer), picks for each bf16 shape the route
 ``ops.policy`` ranks first (per batch, lengths known, as an eager decoder does; ``--graph``:
 batch size and query length only, as a CUDA-graph decoder does; ``--measured``: no replay,
 the ``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself; ``--oracle``:
@@ -22,6 +23,14 @@ every combination of ``GRAPH_BOUND_GRID``'s bounds (``ops.policy``'s
 (the fit set) and on ``--check``'s (shapes the choice is checked on) and prints the best
 bounds by the fit set's geometric mean beside today's (``shapes.jsonl`` may be ``-``: the
 graph rule needs no lengths).
+
+``--query-join fused|copies|cat`` models the engine's query form on files timed with one
+576-wide query (runs 1-220): vLLM hands a 16-bit query over in two parts, which its FA3
+kernel (the ``vllm-fa3-mla`` rows) reads apart, while every other kernel needs them joined
+first: vLLM's FLASHMLA with ``torch.cat`` (added to ``peer:vllm-flashmla``), the plugin's
+decoder with the given join (added to its rows of the other routes; ``fused``: vLLM's
+``concat_mla_q``, what the vLLM backend passes; ``copies``: the decoder's own two copies).
+Each join costs ``JOIN_COSTS``, fitted on run 220. A model, not a measurement.
 
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
@@ -62,6 +71,28 @@ H200 = Platform("cuda", (9, 0), "NVIDIA H200")
 #: kernel where the bench timed it, ``--extra-routes cuda-splitk``).
 ROUTE_ROWS = {"flashinfer-fa3": "peer:flashinfer-fa3", "flashmla": "flashmla",
               "vllm-fa3-mla": "vllm-fa3-mla", "cuda-splitk": "route:cuda-splitk"}
+
+
+#: A join's cost as ``(fixed us, GB/s)`` over the bytes it moves (reads both parts, writes
+#: the whole: 2 x 1152 bytes a query row), fitted on run 220's eight shapes
+#: (``bench_query_concat.py``, H200; every fit within 4 us of its timing).
+JOIN_COSTS = {"cat": (1.7, 938.0), "copies": (2.5, 1707.0), "fused": (1.7, 3716.0)}
+#: Rows of kernels that read the query in vLLM's two parts (no join).
+SPLIT_QUERY_ROWS = ("vllm-fa3-mla", "peer:vllm-fa3-mla", "plugin-graph[vllm-fa3-mla]")
+
+
+def join_us(kernel: str, r: dict, join: str | None, plugin: bool) -> float:
+    """What the ``kernel`` row's call would add in the engine to join the query's parts
+    (``--query-join``): ``join`` where it is the plugin's row (``plugin``) of a route that
+    reads the query whole, ``torch.cat`` for vLLM's FLASHMLA, nothing for vLLM's FA3
+    kernel, other peers, FP8 queries or without ``join``."""
+    if join is None or r["kv"] == "fp8" or kernel.startswith(SPLIT_QUERY_ROWS):
+        return 0.0
+    if not plugin and kernel != "peer:vllm-flashmla":
+        return 0.0
+    fixed, gbps = JOIN_COSTS[join if plugin else "cat"]
+    rows = int(r["batch"]) * int(r["q_len"]) * int(r["heads"])
+    return fixed + 2 * rows * 1152 / (gbps * 1e3)
 
 
 def policy_row(r: dict, lens: list[int], graph: bool = False,
@@ -139,13 +170,16 @@ def vllm_peer_times(ks: dict[str, dict]) -> dict[str, float]:
 
 def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
            vs: str | None = None, node_us: float = 0.0,
-           rows: dict[str, dict[str, dict]] | None = None) -> list[tuple[float, str, str]]:
+           rows: dict[str, dict[str, dict]] | None = None,
+           join: str | None = None) -> list[tuple[float, str, str]]:
     """Per scored shape (best peer's time / the plugin's, shape, the plugin's row); with
     rule ``oracle``, ``node_us`` is added to the plugin's time. ``rows``: the file's
-    ``timed_rows`` where already read."""
+    ``timed_rows`` where already read. ``join``: the engine's query form modelled
+    (``join_us``)."""
     out = []
     for shape, ks in (rows if rows is not None else timed_rows(path)).items():
-        peers = vllm_peer_times(ks)
+        peers = {n: t + join_us(n, ks[n], join, plugin=False)
+                 for n, t in vllm_peer_times(ks).items()}
         if vs is not None:
             peers = {n: t for n, t in peers.items() if n.startswith(vs)}
         if not peers:
@@ -170,6 +204,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)
         if name is None or name not in ks:
             continue
+        extra_us += join_us(name, ks[name], join, plugin=True)
         out.append((min(peers.values()) / (float(ks[name]["us"]) + extra_us), shape, name))
     return out
 
@@ -207,18 +242,19 @@ def summary(rs: Sequence[float]) -> tuple[float, float, int]:
 
 
 def score(files: dict[str, dict[str, dict[str, dict]]], lens: dict[str, list[int]],
-          rule: str = "graph", vs: str | None = None) -> tuple[float, float, int]:
+          rule: str = "graph", vs: str | None = None,
+          join: str | None = None) -> tuple[float, float, int]:
     """``summary`` of the bf16 ratios of ``ratios`` over all ``files`` (path: its
     ``timed_rows``) together."""
     rs = [x[0] for path, rows in files.items()
-          for x in ratios(path, lens, rule, vs, rows=rows) if " bf16 " in x[1]]
+          for x in ratios(path, lens, rule, vs, rows=rows, join=join) if " bf16 " in x[1]]
     if not rs:
         raise ValueError(f"no bf16 shape with peers to score in {', '.join(files)}")
     return summary(rs)
 
 
 def search_graph_bounds(fit: Sequence[str], check: Sequence[str], lens: dict[str, list[int]],
-                        vs: str | None = None,
+                        vs: str | None = None, join: str | None = None,
                         ) -> list[tuple[dict[str, int], tuple, tuple | None]]:
     """Every combination of ``GRAPH_BOUND_GRID`` scored with the CUDA-graph rule on the fit
     and check files: ``(bounds, fit score, check score or None)``, best fit geomean first.
@@ -230,16 +266,17 @@ def search_graph_bounds(fit: Sequence[str], check: Sequence[str], lens: dict[str
     for values in itertools.product(*GRAPH_BOUND_GRID.values()):
         bounds = dict(zip(GRAPH_BOUND_GRID, values, strict=True))
         with graph_bounds(bounds):
-            results.append((bounds, score(fit_rows, lens, "graph", vs),
-                            score(check_rows, lens, "graph", vs) if check else None))
+            results.append((bounds, score(fit_rows, lens, "graph", vs, join),
+                            score(check_rows, lens, "graph", vs, join) if check else None))
     return sorted(results, key=lambda r: -r[1][0])
 
 
 def print_graph_bounds_search(fit: Sequence[str], check: Sequence[str],
-                              lens: dict[str, list[int]], vs: str | None, top: int = 12) -> None:
+                              lens: dict[str, list[int]], vs: str | None, top: int = 12,
+                              join: str | None = None) -> None:
     """The ``top`` bounds by fit geomean and today's, each with its fit and check scores."""
     today = {name: getattr(policy, name) for name in GRAPH_BOUND_GRID}
-    results = search_graph_bounds(fit, check, lens, vs)
+    results = search_graph_bounds(fit, check, lens, vs, join)
     print("max batch, max rows, max rows per request, max ordered batch, uneven tiles to FA3: "
           "fit geomean / worst (shapes)"
           + ("; check geomean / worst (shapes)" if check else ""))
@@ -275,6 +312,13 @@ def main(*argv: str) -> None:
         i = args.index("--vs")
         vs = args[i + 1]
         del args[i:i + 2]
+    join = None
+    if "--query-join" in args:
+        i = args.index("--query-join")
+        join = args[i + 1]
+        if join not in JOIN_COSTS:
+            raise SystemExit(f"--query-join: one of {', '.join(JOIN_COSTS)}")
+        del args[i:i + 2]
     node_us = 0.0
     if "--node-us" in args:
         i = args.index("--node-us")
@@ -285,11 +329,11 @@ def main(*argv: str) -> None:
     if shapes_path != "-":
         lens.update(read_shapes_log(shapes_path))
     if search:
-        print_graph_bounds_search(paths, check, lens, vs)
+        print_graph_bounds_search(paths, check, lens, vs, join=join)
         return
     every: dict[str, list[float]] = defaultdict(list)
     for path in paths:
-        rs = ratios(path, lens, rule, vs, node_us)
+        rs = ratios(path, lens, rule, vs, node_us, join=join)
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:

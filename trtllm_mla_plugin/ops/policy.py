@@ -202,7 +202,18 @@ VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 #: geomean, worst 0.666 -> 0.811, shapes under 0.95 34 -> 26; the bf16 grid's 32 such
 #: shapes 1.011 -> 1.034 (replayed from the forced rows; bounds of 48-1024 requests and
 #: 2k-16k rows or none tried: 256 and none scored best, 512 and 1024 within 0.003).
-VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 256
+#: 1024 since the forty-third session: those timings handed every kernel one 576-wide
+#: query, while the engine hands vLLM's two parts, which FA3 reads apart and FlashMLA needs
+#: joined (run 220: 40 us a layer at 480 x 128 with vLLM's fused join, torch.cat 152; in
+#: the engine the cat was what FlashMLA lost at b160 MTP 2, run 217). Replayed with the
+#: fused join's measured cost added to FlashMLA (``evaluate_policy.py --query-join
+#: fused``), the shapes of 257-1024 requests and more than 32 rows a request that 256 left
+#: on FlashMLA score, against vLLM's FA3 call, 0.962 -> 1.008 on geomean on FA3 longest
+#: first (50 shapes of runs 155-184, worst 0.743 -> 0.936, under 0.95 18 -> 1) and 0.950
+#: -> 1.000 on shapes not used to pick the bound (37 of runs 145-156 and 205-214, worst
+#: 0.705 -> 0.898, 17 -> 1). A model of measured parts; the engine has not run such a
+#: batch (docs/benchmarks.md, "The query join").
+VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 1024
 #: ... except where a request's query rows fill its 64-row tiles unevenly
 #: (``uneven_query_tiles``: more than one tile, the last partly filled; of 8-128 heads at
 #: 1-4 query tokens only 32 heads x 3 tokens = 96 rows; head counts that are no power of
@@ -223,14 +234,14 @@ VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 #: (h32 b457 382 tokens 1.022 -> 0.890, h32 b309 5.3k 1.004 -> 0.925, two by 1.5-2%),
 #: geomean over all 768 shapes 1.0073 -> 1.0078. Check (runs 169 and 177, not used to
 #: fit): the 4 such shapes all faster (h8 b435 643 tokens q4 0.685 -> 1.001, h32 b313 282
-#: 0.834 -> 0.997), geomean over 386 shapes 0.9980 -> 0.9999. At 48 rows FlashMLA stays:
-#: FA3 in the caller's order was faster on 4 of 10 such timings (runs 119-177). FA3 reads
+#: 0.834 -> 0.997), geomean over 386 shapes 0.9980 -> 0.9999. (Wider requests kept FlashMLA
+#: above 256 requests until VLLM_FA3_GRAPH_ORDERED_MAX_BATCH became 1024 too.) FA3 reads
 #: per-request splits up to 992 requests (``fa3_splits.DYNAMIC_SPLIT_MAX_BATCH``); past that
 #: it keeps its own plan.
 VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
 VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
-# Tall requests (384 query rows: 128 heads x 3 tokens) keep the bound of 256. FlashMLA above
-# 132 such requests ran 1.037x FA3 kernel for kernel (run 211, one 576-wide query for both),
+# Tall requests (384 query rows: 128 heads x 3 tokens) stay on FA3. FlashMLA above 132 such
+# requests ran 1.037x FA3 kernel for kernel (run 211, one 576-wide query for both),
 # but in the engine the plugin on FlashMLA decoded at 0.909x FLASH_ATTN_MLA (h128 24 layers,
 # b160, MTP 2, two paired rounds 0.913 and 0.905; run 217) and on FA3 forced at 1.000x (run
 # 218). The gap was the join of vLLM's two query parts, which FA3 reads apart and FlashMLA

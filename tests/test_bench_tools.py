@@ -1460,3 +1460,19 @@ def test_sustained_decode_times_each_routes_step_graph_in_alternating_blocks(mon
     flashmla = next(line for line in capsys.readouterr().out.splitlines()
                     if line.strip().startswith("flashmla")).split()
     assert flashmla[-2:] == ["0.500", "1.250"]  # FlashMLA / FA3: burst, sustained
+
+
+def test_query_concat_bench_joins_equal_torch_cat_on_the_engines_parts():
+    """``bench_query_concat.py``: every join it times writes what ``torch.cat`` writes for
+    vLLM's parts (a strided rope view); vLLM's fused op joins the set only where the build
+    has it (not vLLM's CPU build)."""
+    import bench_query_concat
+    import decode_kernels
+
+    torch.manual_seed(0)
+    query = torch.randn(5, 3, 576, dtype=torch.bfloat16)
+    latent, rope = decode_kernels.engine_query_parts(query, 512)
+    ways = bench_query_concat.joins(latent, rope)
+    assert {"torch.cat", "two_copies"} <= set(ways)
+    for name, join in ways.items():
+        assert torch.equal(join(), query), name

@@ -25,12 +25,13 @@ bounds by the fit set's geometric mean beside today's (``shapes.jsonl`` may be `
 graph rule needs no lengths).
 
 ``--query-join fused|copies|cat`` models the engine's query form on files timed with one
-576-wide query (runs 1-220): vLLM hands a 16-bit query over in two parts, which its FA3
-kernel (the ``vllm-fa3-mla`` rows) reads apart, while every other kernel needs them joined
-first: vLLM's FLASHMLA with ``torch.cat`` (added to ``peer:vllm-flashmla``), the plugin's
-decoder with the given join (added to its rows of the other routes; ``fused``: vLLM's
-``concat_mla_q``, what the vLLM backend passes; ``copies``: the decoder's own two copies).
-Each join costs ``JOIN_COSTS``, fitted on run 220. A model, not a measurement.
+576-wide query (runs 1-220): vLLM hands a 16-bit query over in two parts, which FA3 kernels
+read apart (vLLM's, and FlashInfer's as the plugin plans it: ``SPLIT_QUERY_ROWS``), while
+the other kernels need them joined first: vLLM's FLASHMLA with ``torch.cat`` (added to
+``peer:vllm-flashmla``), the plugin's decoder with the given join (added to its rows of
+FlashMLA and the CUDA split-KV kernel; ``fused``: vLLM's ``concat_mla_q``, what the vLLM
+backend passes; ``copies``: the decoder's own two copies). Each join costs ``JOIN_COSTS``,
+fitted on run 220. A model, not a measurement.
 
 Rows whose status is not ``ok`` are left out; a missing ``vllm-fa3-mla`` row is stood in
 for by ``peer:vllm-fa3-mla`` (the same kernel and schedule; run 23: equal within 1%).
@@ -77,8 +78,11 @@ ROUTE_ROWS = {"flashinfer-fa3": "peer:flashinfer-fa3", "flashmla": "flashmla",
 #: the whole: 2 x 1152 bytes a query row), fitted on run 220's eight shapes
 #: (``bench_query_concat.py``, H200; every fit within 4 us of its timing).
 JOIN_COSTS = {"cat": (1.7, 938.0), "copies": (2.5, 1707.0), "fused": (1.7, 3716.0)}
-#: Rows of kernels that read the query in vLLM's two parts (no join).
-SPLIT_QUERY_ROWS = ("vllm-fa3-mla", "peer:vllm-fa3-mla", "plugin-graph[vllm-fa3-mla]")
+#: Rows of kernels that read the query in vLLM's two parts (no join): vLLM's FA3 kernel,
+#: and FlashInfer's FA3 wrapper as the plugin's ``flashinfer-fa3`` route plans it (split
+#: query layout, forty-third session).
+SPLIT_QUERY_ROWS = ("vllm-fa3-mla", "peer:vllm-fa3-mla", "plugin-graph[vllm-fa3-mla]",
+                    "fa3-sorted", "peer:flashinfer-fa3", "plugin-graph[flashinfer-fa3]")
 
 
 def join_us(kernel: str, r: dict, join: str | None, plugin: bool) -> float:

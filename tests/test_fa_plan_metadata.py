@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec
+from trtllm_mla_plugin.ops import UNIT_SCALES, DecodeBatch, DecodeSpec
 from trtllm_mla_plugin.ops.routes.flashinfer_mla import FlashInferFA3Route, paged_csr
 
 flashinfer = pytest.importorskip("flashinfer")
@@ -156,3 +156,78 @@ def test_host_lengths_are_validated() -> None:
     lens = torch.tensor([5, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"seq_lens_host must be a CPU int32 tensor of shape"):
         check_batch(spec, DecodeBatch(table, lens, 6, seq_lens_host=lens[:1]), 8)
+
+
+class RunningWrapper(RecordingWrapper):
+    """``RecordingWrapper`` whose ``run`` lowers the query as FlashInfer 0.7.2's wrapper does
+    for an FA plan (its own contract code: the layout the plan declared is what it accepts,
+    FA backends read the split form) and writes each row's latent part plus the sum of its
+    rope part as the output, so the rows reaching the kernel can be traced."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.queries: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def run(self, *, query, kv_cache, out, **scales) -> torch.Tensor:
+        from flashinfer.mla._batch_mla._contracts import _resolve_structural_mla_input
+
+        plan = self.plans[-1]
+        q_nope, q_pe = _resolve_structural_mla_input(
+            query, desired="split", widths=(plan["head_dim_ckv"], plan["head_dim_kpe"]),
+            name="query", accepted=plan.get("query_layout", "packed"),
+            expected_dtype=plan["q_data_type"], planned_dtype_name="q_data_type",
+            split_leaf_names=("q_nope", "q_pe"))
+        self.queries.append((q_nope, q_pe))
+        out.copy_(q_nope + q_pe.sum(-1, keepdim=True))
+        return out
+
+
+@pytest.mark.parametrize("sort", [False, True])
+@pytest.mark.parametrize("form", ["packed", "vllm-parts"])
+def test_fa_routes_take_vllms_query_parts_unjoined(monkeypatch, form: str, sort: bool) -> None:
+    """The FA routes plan ``query_layout="split"`` (FlashInfer's FA3 and FA2 backends read
+    the split form; a packed plan would refuse vLLM's parts, which are no adjacent views), so
+    the decoder hands them the parts unjoined; length-sorted runs gather both parts' rows and
+    put the outputs back in the caller's order."""
+    from flashinfer.mla._batch_mla._backends.fa2_backend import (
+        _BatchMLAPagedAttentionFa2Backend,
+    )
+    from flashinfer.mla._batch_mla._backends.fa3_backend import (
+        _BatchMLAPagedAttentionFa3Backend,
+    )
+
+    for backend in (_BatchMLAPagedAttentionFa3Backend, _BatchMLAPagedAttentionFa2Backend):
+        assert not backend._plan_capabilities.requires_packed_query
+    assert FlashInferFA3Route.takes_split_query
+    monkeypatch.setattr(flashinfer.mla, "BatchMLAPagedAttentionWrapper", RunningWrapper)
+    lens = [300, 5, 4000, 64]
+    table = random_table(random.Random(5), lens, 70)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    spec = DecodeSpec(16, 512, 64, PAGE, torch.bfloat16, torch.bfloat16, 0.1, max_q_len=2)
+    route = FlashInferFA3Route(spec, torch.device("cpu"), max_batch_size=8)
+    route.sort_by_length = sort
+    route.plan(DecodeBatch(table, lens_t, max(lens), max_q_len=2, seq_lens_host=lens_t))
+    assert route._wrapper.plans[-1]["query_layout"] == "split"
+
+    torch.manual_seed(0)
+    query = torch.randn(8, 16, 576).to(torch.bfloat16)
+    if form == "packed":
+        given = query
+    else:  # vLLM's form: latent contiguous, rope a strided view of the projection
+        projected = torch.zeros(8, 16, 128 + 64, dtype=torch.bfloat16)
+        projected[..., 128:] = query[..., 512:]
+        given = (query[..., :512].contiguous(), projected[..., 128:])
+    out = torch.full((8, 16, 512), float("nan"), dtype=torch.bfloat16)
+    route.run(given, torch.zeros(70, PAGE, 576, dtype=torch.bfloat16), out, UNIT_SCALES)
+
+    want = query[..., :512] + query[..., 512:].sum(-1, keepdim=True)
+    assert torch.equal(out, want)
+    q_nope, q_pe = route._wrapper.queries[-1]
+    if sort:  # the kernel saw the rows longest request first
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        rows = [2 * i + t for i in order for t in range(2)]
+        assert torch.equal(q_nope, query[rows, :, :512])
+        assert torch.equal(q_pe, query[rows, :, 512:])
+    elif form == "vllm-parts":  # unjoined: the caller's tensors themselves
+        assert q_nope.data_ptr() == given[0].data_ptr()
+        assert q_pe.data_ptr() == given[1].data_ptr()

@@ -170,14 +170,17 @@ PARTS_CASES = [c for c in CASES if c[0] in ("h16-b64-edges", "h16-q-ragged",
                                                "h128-b32-q4-uniform", "h64-b64-q3-fp16")]
 
 
+@pytest.mark.parametrize("sort", [False, True], ids=["caller-order", "sorted"])
 @pytest.mark.parametrize("join", ["decoder", "vllm"])
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("case", PARTS_CASES, ids=[c[0] for c in PARTS_CASES])
 def test_route_matches_reference_on_vllms_query_parts(route: str, case: tuple,
-                                                      join: str) -> None:
+                                                      join: str, sort: bool) -> None:
     """The query as vLLM's MLA layer hands it over (the latent part contiguous, the rope
-    part a strided view of the projection's 128 + 64 columns a head), joined by the
-    decoder's own copies or by vLLM's ``concat_mla_q`` for routes that read it whole."""
+    part a strided view of the projection's 128 + 64 columns a head): read apart by the
+    routes that take the parts (``takes_split_query``: vLLM's FA3, FlashInfer's FA2/FA3,
+    also length-sorted), joined for the others by the decoder's own copies or by vLLM's
+    ``concat_mla_q``."""
     _, heads, block, lens, q_lens, dtype, kv_dtype, _ = case
     device = torch.device("cuda")
     torch.manual_seed(hash((route, case[0], join)) % 2**31)
@@ -196,6 +199,9 @@ def test_route_matches_reference_on_vllms_query_parts(route: str, case: tuple,
     parts = (p.query[..., :512].contiguous(), projected[..., 128:])
     decoder = MLADecoder(p.spec, device, max_batch_size=len(lens), route=route,
                          query_join=query_join)
+    if sort and not decoder.route.supports_length_sort:
+        pytest.skip(f"{route} does not sort by length")
+    decoder.sort_override = sort
     decoder.plan(with_host_lengths(p.batch))
     out = torch.full((p.query.shape[0], heads, 512), float("nan"), dtype=decoder.output_dtype,
                      device=device)
@@ -204,5 +210,6 @@ def test_route_matches_reference_on_vllms_query_parts(route: str, case: tuple,
     assert torch.isfinite(out).all(), "some output elements were not written (NaN poison left)"
     rel, worst = errors(out, reference(p, route))
     rel_bound, max_bound = bounds(p)
-    print(f"[{route} {case[0]} parts, {join} join] rel={rel:.2e} max={worst:.2e}")
+    print(f"[{route} {case[0]} parts, {join} join, sort={sort}] rel={rel:.2e} "
+          f"max={worst:.2e}")
     assert rel < rel_bound and worst < max_bound, (rel, worst)

@@ -28,6 +28,11 @@ Read from FlashInfer 0.7.2.post1 (``mla/_batch_mla/_wrapper.py``, ``_backends/_f
   (``DecodeBatch.seq_lens_host``, which vLLM's builder has) the route passes the CSR form
   instead: offsets and lengths on the host, page ids gathered on the device
   (``paged_csr``), so planning never waits for the GPU.
+* the FA2/FA3 kernels read the query as two tensors with strides of their own
+  (``q_nope``, ``q_pe``; ``batch_mla_sm90_run.cu``), and a plan made with
+  ``query_layout="split"`` takes them as two independent tensors (a ``"packed"`` plan takes
+  only adjacent views of one tensor), so vLLM's two parts run without being joined; a
+  packed query is cut into views of itself.
 """
 
 from __future__ import annotations
@@ -133,6 +138,7 @@ def paged_csr(
 class _FlashInferFARoute(DecodeRoute):
     backend: ClassVar[str]
     supports_length_sort = True
+    takes_split_query = True
 
     @classmethod
     def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
@@ -155,15 +161,17 @@ class _FlashInferFARoute(DecodeRoute):
         self._wrappers: dict[int, object] = {}
         self._wrapper = None
         # Length sort: row permutation (sorted row -> caller's row) and the permuted query
-        # and output rows, all persistent so captured runs read this step's permutation.
+        # parts and output rows, all persistent so captured runs read this step's
+        # permutation.
         self._sorted = False
         if self.supports_length_sort:
             rows = max_batch_size * spec.max_q_len
             out_dtype = torch.bfloat16 if spec.q_dtype == torch.float8_e4m3fn else spec.q_dtype
             self._row_ids = torch.arange(rows, dtype=torch.int64, device=device)
             self._perm_rows = torch.zeros(rows, dtype=torch.int64, device=device)
-            self._q_sorted = torch.zeros(rows, spec.num_heads, spec.head_dim,
-                                         dtype=spec.q_dtype, device=device)
+            self._q_sorted = tuple(
+                torch.zeros(rows, spec.num_heads, dim, dtype=spec.q_dtype, device=device)
+                for dim in (spec.kv_lora_rank, spec.rope_dim))
             self._out_sorted = torch.zeros(rows, spec.num_heads, spec.kv_lora_rank,
                                            dtype=out_dtype, device=device)
 
@@ -228,6 +236,7 @@ class _FlashInferFARoute(DecodeRoute):
             q_data_type=spec.q_dtype,
             kv_data_type=spec.kv_dtype,
             scale_mode="kv-per-tensor" if spec.fp8_kv else "default",
+            query_layout="split",
         )
         self._wrapper = wrapper
 
@@ -287,20 +296,33 @@ class _FlashInferFARoute(DecodeRoute):
         )
 
     def run(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+        self,
+        query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        scales: KVScales,
     ) -> torch.Tensor:
         if not self._sorted:
             return self._run(query, kv_cache, out, scales)
-        rows = query.shape[0]
+        if not isinstance(query, tuple):
+            dc = self.spec.kv_lora_rank
+            query = (query[..., :dc], query[..., dc:])
+        rows = query[0].shape[0]
         perm = self._perm_rows[:rows]
-        q_sorted, out_sorted = self._q_sorted[:rows], self._out_sorted[:rows]
-        torch.index_select(query, 0, perm, out=q_sorted)
+        q_sorted = tuple(buf[:rows] for buf in self._q_sorted)
+        for part, part_sorted in zip(query, q_sorted, strict=True):
+            torch.index_select(part, 0, perm, out=part_sorted)
+        out_sorted = self._out_sorted[:rows]
         self._run(q_sorted, kv_cache, out_sorted, scales)
         out.index_copy_(0, perm, out_sorted)
         return out
 
     def _run(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+        self,
+        query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        scales: KVScales,
     ) -> torch.Tensor:
         if not self.spec.fp8_kv:
             check_unit_scales(self.spec, scales)

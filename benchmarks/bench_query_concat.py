@@ -6,7 +6,8 @@ into the query projection's ``[tokens, heads, 128 + 64]`` output
 (``decode_kernels.engine_query_parts``). Routes whose kernel reads one ``[tokens, heads,
 576]`` tensor (FlashMLA) need them joined; vLLM's FLASHMLA backend does it with
 ``torch.cat``, its sparse backends with its ``concat_mla_q`` CUDA op. Each way is captured
-in a CUDA graph of ``--reps`` calls and timed with ``triton.testing.do_bench`` medians,
+in a CUDA graph of ``--reps`` calls and timed as the kernel benchmarks time graphs
+(``bench_decode.capture_calls``, ``time_replays``: ``triton.testing.do_bench`` medians),
 against the copy ceiling measured in the same run (``bench_decode.ceilings``): ``pct_copy``
 is the bytes a join must move (read both parts, write the whole) at the ceiling's speed
 over its time.
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_decode import ceilings
+from bench_decode import capture_calls, ceilings, time_replays
 from decode_kernels import engine_query_parts
 
 LATENT, ROPE = 512, 64
@@ -59,24 +60,6 @@ def joins(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> dict[str, Callable[[], t
     return ways
 
 
-def time_graph(fn: Callable[[], object], reps: int) -> float:
-    """Median microseconds of one call, from a CUDA graph of ``reps`` calls."""
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
-    return ms * 1e3 / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("concat-out"))
@@ -95,8 +78,8 @@ def main() -> None:
         ql_nope, q_pe = engine_query_parts(query, LATENT)
         moved = 2 * query.numel() * query.element_size()
         for name, fn in joins(ql_nope, q_pe).items():
-            status = "ok" if torch.equal(fn(), query) else "WRONG"
-            us = time_graph(fn, args.reps)
+            status = "ok" if torch.equal(fn(), query) else "WRONG"  # also the warm-up
+            us = time_replays(capture_calls(lambda _, join=fn: join(), args.reps), args.reps)
             row = {"tokens": tokens, "heads": heads, "join": name, "us": round(us, 2),
                    "pct_copy": round(100 * moved / (copy_gbps * 1e3) / us, 1),
                    "status": status}

@@ -220,7 +220,8 @@ GRAPH_BOUND_GRID = {
     "VLLM_FA3_GRAPH_MAX_ROWS": (1024, 2048, 3072, 4096, 6144, 8192, 16384, 1 << 30),
     "VLLM_FA3_GRAPH_MAX_REQUEST_ROWS": (0, 8, 16),
     # 0: no batch of >= VLLM_FA3_LENGTH_ORDER_MIN_BATCH requests goes to FA3 by this bound
-    # (those of <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS rows a request still do, by theirs).
+    # (one bound for every width since the forty-third session; before, requests of <= 32
+    # rows had a bound of their own, 1024).
     "VLLM_FA3_GRAPH_ORDERED_MAX_BATCH": (0, 256, 512, 1024),
     # True: those batches go to FA3 at 96 rows per request too (unevenly filled tiles).
     "VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES": (False, True),

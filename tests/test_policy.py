@@ -477,7 +477,7 @@ def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, 
     """Speculative decoding under CUDA graphs: vLLM's FA3 MLA kernel takes batches of at
     most VLLM_FA3_GRAPH_MAX_BATCH requests and VLLM_FA3_GRAPH_MAX_ROWS query rows (h128 q4
     b5-b9 ran 1.4x faster on FlashMLA in run 23) and batches of 33-1024 requests
-    (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``, ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH``) but
+    (``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``) but
     for requests of unevenly filled query tiles (96 rows), FlashMLA the rest."""
     dec, _ = stub_decoder(monkeypatch, heads=heads, cuda_graph=True, q_len=q_len,
                           max_batch=1025)

@@ -299,7 +299,7 @@ LENGTH_ORDER_CASES = [
     # SPILL, inside NARROW_SPILL (``fa3_splits.spill_band``).
     (32, 1, [[4800, 2400] * 64, [4000, 2600] * 64, [2400, 4800] * 64], True),
     # 257-1024 requests of <= 32 query rows, which the graph rule gives this route
-    # (``policy.VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH``).
+    # (``policy.VLLM_FA3_GRAPH_ORDERED_MAX_BATCH``).
     (8, 4, [[700] * 300, [2500, 300, 900] * 100], False),
     # Near-equal lengths FA3 cuts in two, 1.58 waves at 64-row tiles: past the band, the
     # route runs every request unsplit in one wave (``fa3_splits.one_wave_past_band``).

@@ -212,7 +212,14 @@ VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 #: first (50 shapes of runs 155-184, worst 0.743 -> 0.936, under 0.95 18 -> 1) and 0.950
 #: -> 1.000 on shapes not used to pick the bound (37 of runs 145-156 and 205-214, worst
 #: 0.705 -> 0.898, 17 -> 1). A model of measured parts; the engine has not run such a
-#: batch (docs/benchmarks.md, "The query join").
+#: batch (docs/benchmarks.md, "The query join"). Requests of at most 32 query rows (one
+#: query tile, at most half filled) had gone there up to 1024 requests since the
+#: thirty-fifth session: fit on runs 155, 156, 158, 164 (12 such shapes of 257-1024
+#: requests, replayed from the route's forced rows: 8 faster, the four worst 0.84-0.94 ->
+#: 1.00-1.03 of the faster of vLLM's two calls; 4 slower, h32 b457 382 tokens 1.022 ->
+#: 0.890, h32 b309 5.3k 1.004 -> 0.925), checked on runs 169 and 177 (4 such shapes, all
+#: faster: h8 b435 643 tokens q4 0.685 -> 1.001). FA3 reads per-request splits up to 992
+#: requests (``fa3_splits.DYNAMIC_SPLIT_MAX_BATCH``); past that it keeps its own plan.
 VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 1024
 #: ... except where a request's query rows fill its 64-row tiles unevenly
 #: (``uneven_query_tiles``: more than one tile, the last partly filled; of 8-128 heads at
@@ -225,21 +232,6 @@ VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 1024
 #: run 158's fresh seeds 134-141: 1.014 -> 1.018 of the faster of vLLM's two calls, worst
 #: 0.609 -> 0.615 (docs/benchmarks.md, "96 query rows per request back on FlashMLA").
 VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
-#: Requests of at most VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS query rows (one query tile, at
-#: most half filled; the 8-16-row specs of ``splitk_candidate`` keep their kernel) go to
-#: vLLM's FA3 kernel, longest first, in batches of up to this many requests instead of
-#: VLLM_FA3_GRAPH_ORDERED_MAX_BATCH. Fit (runs 155, 156, 158, 164:
-#: the 12 such shapes of 257-1024 requests, replayed from the route's forced rows): 8 faster
-#: (0.84-0.94 -> 1.00-1.03 of the faster of vLLM's two calls on the four worst), 4 slower
-#: (h32 b457 382 tokens 1.022 -> 0.890, h32 b309 5.3k 1.004 -> 0.925, two by 1.5-2%),
-#: geomean over all 768 shapes 1.0073 -> 1.0078. Check (runs 169 and 177, not used to
-#: fit): the 4 such shapes all faster (h8 b435 643 tokens q4 0.685 -> 1.001, h32 b313 282
-#: 0.834 -> 0.997), geomean over 386 shapes 0.9980 -> 0.9999. (Wider requests kept FlashMLA
-#: above 256 requests until VLLM_FA3_GRAPH_ORDERED_MAX_BATCH became 1024 too.) FA3 reads
-#: per-request splits up to 992 requests (``fa3_splits.DYNAMIC_SPLIT_MAX_BATCH``); past that
-#: it keeps its own plan.
-VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH = 1024
-VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS = 32
 # Tall requests (384 query rows: 128 heads x 3 tokens) stay on FA3. FlashMLA above 132 such
 # requests ran 1.037x FA3 kernel for kernel (run 211, one 576-wide query for both),
 # but in the engine the plugin on FlashMLA decoded at 0.909x FLASH_ATTN_MLA (h128 24 layers,
@@ -477,9 +469,7 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     """The SM90 rule for vLLM's FA3 MLA kernel. Under CUDA graphs (no lengths): ahead of
     FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
-    to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first; to
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH`` at up to
-    ``VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS`` query rows a request) of specs
+    to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) of specs
     outside ``splitk_candidate`` whose query tiles are even (``uneven_query_tiles``), and
     for every batch of at most
     ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
@@ -494,10 +484,7 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     request_rows = spec.num_heads * shape.max_q_len
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
-    largest_ordered = (VLLM_FA3_GRAPH_ORDERED_NARROW_MAX_BATCH
-                       if request_rows <= VLLM_FA3_GRAPH_ORDERED_NARROW_ROWS
-                       else VLLM_FA3_GRAPH_ORDERED_MAX_BATCH)
-    if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= largest_ordered
+    if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
             and not splitk_candidate(spec)
             and (VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES
                  or not uneven_query_tiles(spec, shape.max_q_len))):

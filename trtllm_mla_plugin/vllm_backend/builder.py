@@ -22,6 +22,7 @@ from ..ops import (
     DecodeBatch,
     DecodeSpec,
     MLADecoder,
+    QueryJoin,
     platform_of,
     small_prefill_choice,
     small_prefill_spec,
@@ -97,11 +98,13 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         full_graphs = device.type == "cuda" and cudagraph_mode.has_full_cudagraphs()
         # The persistent decoder: one per KV-cache group, planned once per step and shared
         # by every layer of the group, so its buffers keep stable addresses for CUDA graphs.
+        query_join = vllm_query_join(spec)
         self.decoder = MLADecoder(
             spec, device, max_batch, route=forced_route(), cuda_graph=full_graphs,
-            query_join=vllm_query_join(spec),
+            query_join=query_join,
         )
-        self.small_prefill_decoder = self._small_prefill_decoder(spec, device, max_batch)
+        self.small_prefill_decoder = self._small_prefill_decoder(spec, device, max_batch,
+                                                                 query_join)
         if self.small_prefill_decoder is not None:
             # vLLM now classes requests with this many new tokens or fewer as decodes.
             self.reorder_batch_threshold = max(self.reorder_batch_threshold,
@@ -124,7 +127,8 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         )
 
     def _small_prefill_decoder(
-        self, spec: DecodeSpec, device: torch.device, max_batch: int
+        self, spec: DecodeSpec, device: torch.device, max_batch: int,
+        query_join: QueryJoin | None,
     ) -> MLADecoder | None:
         """A decoder for steps whose decode part carries short prefills, where a route
         serves them (``ops.small_prefill_choice``: vLLM's FA3 MLA kernel on SM90 with a
@@ -144,7 +148,7 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
                 return None
             name = choice.name
         return MLADecoder(small_prefill_spec(spec), device, max_batch, route=name,
-                          query_join=vllm_query_join(spec))
+                          query_join=query_join)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         # vLLM's host copy of the lengths (exact outside async speculative decoding) lets the

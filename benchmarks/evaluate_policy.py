@@ -131,7 +131,7 @@ GRAPH_ROW = "plugin-graph"
 
 
 #: First run whose ``peer:vllm-flashmla`` rows have FlashMLA's per-step schedule kernel in
-#: them (docs/benchmarks.md: found missing in run 78, put back for run 80).
+#: them (docs/benchmarks-history.md: found missing in run 78, put back for run 80).
 PEER_FLASHMLA_SCHEDULED_FROM_RUN = 80
 
 

@@ -1,6 +1,6 @@
 """Plugin routes under CUDA graphs timed in alternation with vLLM's own two SM90 bf16 calls
 (FLASHMLA's and FLASH_ATTN_MLA's), for choosing which route the CUDA-graph rule gives a range
-of batch sizes (docs/benchmarks.md "cuda-splitk from 33 requests under CUDA graphs").
+of batch sizes (docs/benchmarks-history.md "cuda-splitk from 33 requests under CUDA graphs").
 
 Why alternation: ``bench_decode.py`` times a shape's kernels one after another, and the same
 kernel timed twice there differed by up to 18% on 300-600 us shapes (run 131); here every

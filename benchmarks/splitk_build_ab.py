@@ -8,7 +8,7 @@ Variants (``--variants``, ``;``-separated, each ``,``-separated tokens): ``defau
 build every route runs), ``helped=N`` (``SplitKConfig.helped_requests``: the combine's helper
 CTAs for heavy requests; 0 is the build without them) and any other token as a preprocessor
 define of the source (a variant kept behind an ``#ifdef`` while it is measured: run 136
-timed a pipeline prologue that way, docs/benchmarks.md).
+timed a pipeline prologue that way, docs/benchmarks-history.md).
 
 Usage (GPU machine, ``nvcc`` on the path)::
 

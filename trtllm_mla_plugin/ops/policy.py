@@ -50,7 +50,7 @@ HOPPER_FP8_FEW_HEADS = (FLASHMLA_FP8, TRITON, FA3, FA2, REFERENCE)
 AMPERE_ADA = (FA2, REFERENCE)
 OTHER = (REFERENCE,)
 
-# Thresholds of the SM90 rule, from the H200 runs of docs/benchmarks.md (2026-11-30):
+# Thresholds of the SM90 rule, from the H200 runs of docs/benchmarks-history.md (2026-11-30 on):
 #: FP8 caches up to this many heads take the Triton kernel (16: 1.3-2.1x faster than FA3;
 #: 32: +7% at b64 but -13% against length-sorted FA3 at b128; 64 and 128: FA3 faster) ...
 TRITON_FP8_MAX_HEADS = 16
@@ -212,7 +212,7 @@ VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 #: first (50 shapes of runs 155-184, worst 0.743 -> 0.936, under 0.95 18 -> 1) and 0.950
 #: -> 1.000 on shapes not used to pick the bound (37 of runs 145-156 and 205-214, worst
 #: 0.705 -> 0.898, 17 -> 1). A model of measured parts; the engine has not run such a
-#: batch (docs/benchmarks.md, "The query join"). Requests of at most 32 query rows (one
+#: batch (docs/benchmarks-history.md, "The query join"). Requests of at most 32 query rows (one
 #: query tile, at most half filled) had gone there up to 1024 requests since the
 #: thirty-fifth session: fit on runs 155, 156, 158, 164 (12 such shapes of 257-1024
 #: requests, replayed from the route's forced rows: 8 faster, the four worst 0.84-0.94 ->
@@ -230,7 +230,7 @@ VLLM_FA3_GRAPH_ORDERED_MAX_BATCH = 1024
 #: than FA3 in the caller's order in 24 of 29 earlier timings (1.12x; runs 52-156). Batches
 #: of at most 32 such requests stay on FA3 (faster in 41 of 44 timings, 1.13x). Replayed on
 #: run 158's fresh seeds 134-141: 1.014 -> 1.018 of the faster of vLLM's two calls, worst
-#: 0.609 -> 0.615 (docs/benchmarks.md, "96 query rows per request back on FlashMLA").
+#: 0.609 -> 0.615 (docs/benchmarks-history.md, "96 query rows per request back on FlashMLA").
 VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 # Tall requests (384 query rows: 128 heads x 3 tokens) stay on FA3. FlashMLA above 132 such
 # requests ran 1.037x FA3 kernel for kernel (run 211, one 576-wide query for both),
@@ -239,7 +239,7 @@ VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 # 218). The gap was the join of vLLM's two query parts, which FA3 reads apart and FlashMLA
 # needs whole: torch.cat took 152 us a layer (run 220), the fused join the decoder now uses
 # 40 us, which leaves FlashMLA at about FA3's speed there (expected, not yet run in the
-# engine; docs/benchmarks.md, "The query join").
+# engine; docs/benchmarks-history.md, "The query join").
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to
@@ -582,9 +582,9 @@ def hopper_prefers_triton(spec: DecodeSpec, shape: BatchShape | None) -> bool:
 
 
 def fa_sort_by_length(spec: DecodeSpec, shape: BatchShape | None) -> bool:
-    """Whether FlashInfer FA routes plan this batch's requests longest first (lever (a) of
-    docs/benchmarks.md): large batches only, and only ragged ones of long enough requests
-    when lengths are known."""
+    """Whether FlashInfer FA routes plan this batch's requests longest first (lever (a) in
+    docs/benchmarks-history.md, "Aims not met"): large batches only, and only ragged ones
+    of long enough requests when lengths are known."""
     del spec
     if shape is None or shape.batch_size < FA_SORT_MIN_BATCH:
         return False

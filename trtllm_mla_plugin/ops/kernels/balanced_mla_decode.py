@@ -1,7 +1,7 @@
 """Page-balanced split-KV MLA decode in Triton: every CTA reads the same number of KV pages.
 
 Why: FlashInfer's FA3 planner and vLLM's Triton kernel split each *request*; on ragged
-batches the CTA holding a long request finishes last (docs/benchmarks.md, "The ragged
+batches the CTA holding a long request finishes last (docs/benchmarks-history.md, "The ragged
 gap"). Here the batch's pages are laid end to end (request 0's pages, then request 1's, ...)
 and cut into equal ranges, one per CTA, as FlashMLA's scheduler does, but computed from a
 ``[batch + 1]`` page prefix sum alone so it stays valid under CUDA graphs. The grid has

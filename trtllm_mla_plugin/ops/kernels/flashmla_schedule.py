@@ -3,7 +3,7 @@
 FlashMLA's SM90 dense decode (``dense_decode_fwd`` of vLLM's ``_flashmla_C``) takes its
 split-KV work plan as two int32 tensors, or computes them itself with
 ``get_mla_metadata_kernel``: one warp whose first lane walks every SM part in turn, once
-per step (9-91 us on the H200, docs/benchmarks.md run 85). This kernel writes the same plan
+per step (9-91 us on the H200, docs/benchmarks-history.md run 85). This kernel writes the same plan
 (equal in every field FlashMLA's kernels read; tests/flashmla_schedule_cases.py,
 tests/gpu/test_flashmla_schedule_gpu.py) in 3-34 us (run 84). With ``fp8_layout`` it writes
 the plan of FlashMLA's dense FP8 scheduler instead (``get_mla_decoding_metadata_dense_fp8``,

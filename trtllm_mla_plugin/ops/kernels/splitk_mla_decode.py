@@ -91,7 +91,7 @@ class SplitKConfig:
             decode grid, by the CTA that finishes the last piece, instead of by the combine
             kernel after the whole grid (a separate build, ``SPLITK_FUSE_MAX_SPLITS``); 0:
             every cut request by the combine kernel. Correct on the H200 but slower on
-            every shape measured (run 55, docs/benchmarks.md), so not the default.
+            every shape measured (run 55, docs/benchmarks-history.md), so not the default.
         helped_requests: heavy requests (cut into more than ``HEAVY_SPLITS`` pieces, e.g. one
             long request among short ones) merged by ``HELPER_PARTS`` combine CTAs each
             instead of four: the first this many in batch order (0: none; a separate build,

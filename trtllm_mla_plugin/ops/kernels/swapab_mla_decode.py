@@ -1,7 +1,7 @@
 """Split-KV MLA decode in Triton with the products turned around ("swap AB") so that Hopper
 warpgroup MMA (``wgmma``, 64-row minimum) can issue them. Experimental (issue 11): not a
 decode route yet; run 21 timed it at 0.76-0.97x the best peer for 16 heads and 0.57-0.69x
-for 32 (docs/benchmarks.md).
+for 32 (docs/benchmarks-history.md).
 
 Why: with 16 heads and one query token the score product ``Q @ K^T`` has 16 rows, below
 wgmma's M = 64, so Triton falls back to ``mma.sync`` (``balanced_mla_decode``: 224-255
@@ -29,7 +29,7 @@ Cache: the query's dtype (bf16/fp16), or FP8 (e4m3) with a per-tensor scale read
 bf16 query: the FP8 tile comes by TMA (half the bytes), is widened to bf16 in registers and
 feeds wgmma as its register operand A (K for the scores, V^T for the output); the scale is
 folded into the score scale and the output. On sm_90 that path spills inside the KV loop
-(the widened tile lives in registers across the softmax; docs/benchmarks.md), so it is a
+(the widened tile lives in registers across the softmax; docs/benchmarks-history.md), so it is a
 correctness baseline for an FP8 kernel, not a fast one.
 """
 

@@ -19,8 +19,8 @@ Read from FlashInfer 0.7.2.post1 (``mla/_batch_mla/_wrapper.py``, ``_backends/_f
   order*; on ragged batches a long request late in the batch lands on an already busy CTA.
   With ``sort_by_length`` (set per batch by ``ops.policy``; uniform query lengths only)
   the route hands the planner the requests longest first (longest-processing-time-first
-  list scheduling) and
-  puts the outputs back in the caller's order (docs/benchmarks.md, lever (a)).
+  list scheduling) and puts the outputs back in the caller's order
+  (docs/benchmarks-history.md, "Aims not met, and the next levers", lever (a)).
 * ``plan`` runs on the host and needs every length there. Given device tensors (the
   page-table form) it copies them back, waiting for the GPU, and slices the table row by row
   in Python; in the engine that wait ends the overlap of host and GPU work each step (run 13:

@@ -8,7 +8,7 @@ Ragged query lengths are padded (``RightAlignedQuery``).
 The split-KV schedule is FlashMLA's own plan written by the plugin's kernel
 (``kernels.flashmla_schedule``, 3-34 us per step on the H200) into persistent buffers handed
 to FlashMLA's ``dense_decode_fwd``; left to itself FlashMLA computes the same plan with a
-one-warp kernel that takes 9-91 us per step (docs/benchmarks.md, runs 84-85). The
+one-warp kernel that takes 9-91 us per step (docs/benchmarks-history.md, runs 84-85). The
 schedule is launched by the first ``run`` of a step and reused by the other layers. While a
 CUDA graph is being captured, ``run`` launches it once per plan, so the graph recomputes the
 schedule from the persistent ``seq_lens`` on every replay; reusing one computed by an eager
@@ -221,7 +221,7 @@ class FlashMLARoute(DecodeRoute):
         b, m = batch.batch_size, batch.max_q_len
         q = self._query.gather(query)
         # Write straight into ``out`` (one token per request: FlashMLA's ``out=`` failed for
-        # q_len > 1 on the H200, docs/benchmarks.md).
+        # q_len > 1 on the H200, docs/benchmarks-history.md).
         direct = (out is not None and m == 1 and not self._query.ragged
                   and out.is_contiguous() and out.dtype == q.dtype)
         self._ensure_schedule()
@@ -229,7 +229,7 @@ class FlashMLARoute(DecodeRoute):
             q, kv_cache.unsqueeze(-2), spec.kv_lora_rank, self._seq_lens, self._block_table,
             spec.softmax_scale,
             # The same math for one query token per request; vLLM passes True, and the mask
-            # costs FlashMLA time at q_len 1 (docs/benchmarks.md, run 19).
+            # costs FlashMLA time at q_len 1 (docs/benchmarks-history.md, run 19).
             m > 1,
             *self._schedule.buffers,
             out.view(b, m, spec.num_heads, spec.kv_lora_rank) if direct else None,

@@ -1,7 +1,7 @@
 """The plugin's own decode kernel (``ops.kernels.balanced_mla_decode``, Triton): KV pages
 split evenly over a fixed number of CTAs whatever the lengths. On the H200 it is 1.3-2.1x
 faster than FlashInfer FA3 on FP8 caches with 16 heads and batches of 32+, and slower than
-FA3/FlashMLA on bf16 caches (docs/benchmarks.md, runs 6-10).
+FA3/FlashMLA on bf16 caches (docs/benchmarks-history.md, runs 6-10).
 
 Eligibility: CUDA SM80+ with Triton; power-of-two latent and RoPE widths (Triton tiles);
 bf16/fp16 queries with a cache of the same dtype or FP8 e4m3; up to 16 query tokens per
@@ -38,7 +38,7 @@ def _power_of_two(n: int) -> bool:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Kernel tile and grid choices (measured on the H200, docs/benchmarks.md).
+    """Kernel tile and grid choices (measured on the H200, docs/benchmarks-history.md).
 
     Attributes:
         ctas_per_sm: CTAs the pages are spread over, per SM (one wave when they fit).

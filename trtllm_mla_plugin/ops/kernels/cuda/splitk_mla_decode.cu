@@ -4,7 +4,7 @@
 // Why this kernel: on the H200 every peer (FlashMLA, FlashInfer FA3, vLLM's FA3 MLA) pads
 // the query rows of one request (heads x query tokens) to a 64-row tile, so with 16 heads a
 // CTA multiplies four times the rows it needs, and each adds fixed costs (a scheduling
-// kernel, a combine kernel) that dominate typical decode shapes (docs/benchmarks.md,
+// kernel, a combine kernel) that dominate typical decode shapes (docs/benchmarks-history.md,
 // "Issue 11"). Here a warp's mma.sync m16n8k16 tile has exactly 16 rows, the schedule is
 // computed inside the kernel from a [batch + 1] tile prefix sum (one torch.cumsum per step,
 // shared by every layer), and a request that lies inside one CTA's range is written

@@ -11,12 +11,20 @@ Usage (GPU machine, the vLLM kit installed for vLLM's kernels)::
 
     python benchmarks/graph_routes_ab.py --out ab.csv --seeds 89,90 --count 1000 \\
         --request-rows 9-16 --batches 17-127 --routes flashmla,cuda-splitk [--grid 3,4]
+    python benchmarks/graph_routes_ab.py --out grid.csv --grid 3,5,23,35,44 \\
+        --routes plugin,vllm-fa3-mla,flashmla --rounds 5 --query-parts
+
+``--routes``: plugin routes forced, and ``plugin`` for the CUDA-graph decoder itself (the
+policy's pick per batch size, as the engine runs it). ``--query-parts``: the decoder and
+routes get vLLM's two query parts and vLLM's FLASHMLA call concatenates them
+(``decode_kernels.QUERY_PARTS``), as in the engine. ``--sustain S``: each timing after S
+seconds of its graph (``bench_decode.SUSTAIN_S``).
 
 ``--out``: one row per shape and kernel (us per round and their median; ``--summarize``
 reads it back on any machine); stdout: per batch range, each route's geometric mean and
-worst of (the faster of vLLM's two calls) / route, and for each lower bound T, the rule
-"cuda-splitk from T requests, the first route below" scored the same way (when both are
-timed).
+worst of (the faster of vLLM's two calls) / route, over all shapes the same with the count
+under 0.98 and the shapes under it, and for each lower bound T, the rule "cuda-splitk from
+T requests, the first route below" scored the same way (when both are timed).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode
+import decode_kernels
 from bench_decode import BF, FULL, int_range, make_case, random_set
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
 
@@ -40,10 +49,18 @@ BINS = ((17, 24), (25, 32), (33, 40), (41, 48), (49, 64), (65, 80), (81, 95), (9
 BOUNDS = (33, 40, 48, 56, 64, 80, 96)
 
 
+#: ``--routes`` name of the CUDA-graph decoder itself (no route forced).
+DECODER = "plugin"
+#: Ratio to the faster of vLLM's two calls that the issue asks of every grid shape.
+AIM = 0.98
+
+
 def kernels(case, routes: list[str]) -> list[Kernel]:
     """The plugin's ``routes`` forced with their CUDA-graph set-up (as the graph rule would
-    run them; ``engine_query`` as vLLM hands the query over), then vLLM's two calls."""
-    ks = [decoder_kernel(route, case, route, engine_query=True, cuda_graph=True)
+    run them; ``engine_query`` as vLLM hands the query over; ``DECODER``: the decoder with
+    the policy's pick), then vLLM's two calls."""
+    ks = [decoder_kernel(route, case, None if route == DECODER else route,
+                         engine_query=True, cuda_graph=True)
           for route in routes]
     return [*ks, flashmla_peer(case), vllm_fa3_mla_peer(case)]
 
@@ -62,11 +79,21 @@ def score(times: dict[str, float], route: str) -> float | None:
     return min(times[p] for p in PEERS) / times[route]
 
 
-def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str]) -> None:
-    """Per batch range and route, then per lower bound of the ``cuda-splitk`` range."""
+def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str],
+              names: list[str] | None = None) -> None:
+    """Per batch range and route, over all shapes (``names``: the shapes', to list those
+    under ``AIM``), then per lower bound of the ``cuda-splitk`` range."""
     def line(values: list[float]) -> str:
         return (f"geomean {statistics.geometric_mean(values):.3f} worst {min(values):.3f} "
                 f"n {len(values)}") if values else "n 0"
+
+    names = names or [""] * len(results)
+    for route in routes:
+        scored = [(name, s) for name, (_, t) in zip(names, results, strict=True)
+                  if (s := score(t, route))]
+        under = [f"{name} {s:.3f}" for name, s in scored if s < AIM]
+        print(f"all shapes: {route} {line([s for _, s in scored])}, under {AIM}: "
+              f"{len(under)}" + "".join(f"\n  {u}" for u in under))
 
     for lo, hi in BINS:
         inside = [t for b, t in results if lo <= b <= hi]
@@ -84,15 +111,15 @@ def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str]) ->
                   f"(batches >= {BOUNDS[0]}): {line(values)}")
 
 
-def read_results(path: Path) -> list[tuple[int, dict[str, float]]]:
-    """``(batch size, median us per kernel)`` per shape of an ``--out`` file."""
+def read_results(path: Path) -> dict[str, tuple[int, dict[str, float]]]:
+    """Shape name -> ``(batch size, median us per kernel)`` of an ``--out`` file."""
     by_shape: dict[str, tuple[int, dict[str, float]]] = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             if row["median_us"]:
                 entry = by_shape.setdefault(row["shape"], (int(row["batch"]), {}))
                 entry[1][row["kernel"]] = float(row["median_us"])
-    return list(by_shape.values())
+    return by_shape
 
 
 def main() -> None:
@@ -106,20 +133,27 @@ def main() -> None:
                     "grid (bf16 shapes)")
     ap.add_argument("--routes", default="flashmla,cuda-splitk")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--query-parts", action="store_true",
+                    help="vLLM's two query parts, as in the engine (decode_kernels.QUERY_PARTS)")
+    ap.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                    help="replay each graph for S seconds before each timing")
     ap.add_argument("--summarize", action="store_true",
                     help="only summarize an existing --out file (any machine)")
     args = ap.parse_args()
     routes = [r for r in args.routes.split(",") if r]
     if args.summarize:
-        summarize(read_results(args.out), routes)
+        by_shape = read_results(args.out)
+        summarize(list(by_shape.values()), routes, list(by_shape))
         return
+    decode_kernels.QUERY_PARTS = args.query_parts
+    bench_decode.SUSTAIN_S = args.sustain
     device = torch.device("cuda")
     shapes = [(int(i), FULL[int(i)]) for i in args.grid.split(",") if i]
     for seed in (int(s) for s in args.seeds.split(",") if s):
         shapes += random_set(seed, args.count, keep=BF, request_rows=args.request_rows,
                              batches=args.batches)
     print(f"{len(shapes)} shapes, routes {routes}, {args.rounds} rounds", flush=True)
-    results = []
+    results, names = [], []
     with open(args.out, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["shape", "batch", "kernel", "rounds_us", "median_us", "rel_diff"])
@@ -141,11 +175,12 @@ def main() -> None:
                     writer.writerow([case.name, shape[1], k.name, "", "", k.absent])
             f.flush()
             results.append((shape[1], medians))
+            names.append(case.name)
             cells = ", ".join(f"{r} {s:.3f}" for r in routes if (s := score(medians, r)))
             print(f"{case.name}: {cells}", flush=True)
             del case, ks, outs
             torch.cuda.empty_cache()
-    summarize(results, routes)
+    summarize(results, routes, names)
 
 
 if __name__ == "__main__":

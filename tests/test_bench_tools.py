@@ -976,14 +976,35 @@ def test_graph_routes_ab_rotates_the_order_and_scores_by_median(monkeypatch, tmp
         f.write("shape,batch,kernel,rounds_us,median_us,rel_diff\n")
         for i, (b, med) in enumerate(results):
             f.writelines(f"s{i},{b},{name},,{us},0\n" for name, us in med.items())
-    assert ab.read_results(out) == results
+    assert ab.read_results(out) == {"s0": results[0], "s1": results[1]}
     printed = io.StringIO()
     with redirect_stdout(printed):
-        ab.summarize(results, ["flashmla", "cuda-splitk"])
+        ab.summarize(results, ["flashmla", "cuda-splitk"], ["s0", "s1"])
     lines = printed.getvalue().splitlines()
     # from 33: both shapes on cuda-splitk (1.5 and 0.5); from 48: flashmla at b40 (1.2)
     assert "from 33 requests, flashmla below (batches >= 33): geomean 0.866" in lines[-7]
     assert "from 48 requests, flashmla below (batches >= 33): geomean 0.775" in lines[-5]
+    # over all shapes: cuda-splitk 1.5 and 0.5 (s1 under the aim, listed), flashmla 1.2 twice
+    assert "all shapes: flashmla geomean 1.200 worst 1.200 n 2, under 0.98: 0" in lines
+    at = lines.index("all shapes: cuda-splitk geomean 0.866 worst 0.500 n 2, under 0.98: 1")
+    assert lines[at + 1] == "  s1 0.500"
+
+
+def test_graph_routes_ab_times_the_decoder_itself_as_plugin(monkeypatch):
+    """``--routes plugin`` is the CUDA-graph decoder with no route forced (the policy's pick,
+    as the engine runs it); other names are routes forced; both with the engine's query."""
+    import graph_routes_ab as ab
+
+    made = []
+    monkeypatch.setattr(ab, "decoder_kernel", lambda name, case, route, **kw: made.append(
+        (name, route, kw)) or bench_decode.Kernel(name))
+    monkeypatch.setattr(ab, "flashmla_peer", lambda case: bench_decode.Kernel(ab.PEERS[0]))
+    monkeypatch.setattr(ab, "vllm_fa3_mla_peer", lambda case: bench_decode.Kernel(ab.PEERS[1]))
+    ks = ab.kernels(None, ["plugin", "flashmla"])
+    assert [k.name for k in ks] == ["plugin", "flashmla", *ab.PEERS]
+    assert [(name, route) for name, route, _ in made] == [("plugin", None),
+                                                           ("flashmla", "flashmla")]
+    assert all(kw == {"engine_query": True, "cuda_graph": True} for *_, kw in made)
 
 
 def test_splitk_build_ab_parses_variants_and_picks_shapes():

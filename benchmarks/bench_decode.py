@@ -4,7 +4,7 @@ Usage (one process, on the GPU machine)::
 
     python benchmarks/bench_decode.py --out DIR [--quick] [--noise] [--host]
         [--random 1,2 [--random-count 40]] [--shape-list FILE] [--train 100] [--no-grid]
-        [--extra-routes cuda-splitk] [--splitk-configs "4,1,4;2,2,4"]
+        [--extra-routes cuda-splitk] [--splitk-configs "4,1,4;2,2,4"] [--rounds 5]
     python benchmarks/bench_decode.py --out DIR --paired 5 [--shapes ...] [--random 1,2]
 
 Writes ``DIR/decode.csv`` (the grid: one row per shape x kernel x pass), ``random-S.csv``
@@ -20,6 +20,8 @@ lengths all = ctx ("u"), uniform-random in [1, ctx] ("r") or in [lo * ctx, ctx]
 Per kernel: median time of ``REPS_PER_GRAPH`` calls captured in one CUDA graph (so launch
 gaps do not count; ``triton.testing.do_bench`` median of graph replays, L2 flushed before each
 replay, and the calls inside a replay rotate over cache copies that together exceed L2);
+with ``--rounds N`` each kernel's median over N rounds of the shape's kernels, the order
+rotated each round;
 ``%copy`` = (KV bytes read once + q + out) / time / copy ceiling; TFLOP/s =
 2 * heads * (576 + 512) * sum over query rows of visible keys / time.
 """
@@ -273,6 +275,10 @@ def capture_graph(fn, case: Case, reps: int = REPS_PER_GRAPH) -> torch.cuda.CUDA
 #: at the clock seconds of such work leave the GPU at, as in an engine (docs/benchmarks.md,
 #: "Method", sustained load); 0: timed right after set-up, as runs 1-218.
 SUSTAIN_S = 0.0
+#: ``--rounds N``: a shape's kernels are captured, then timed in N rounds, each round
+#: starting at the next kernel (``alternate_graphs``), and each one's median round kept;
+#: 1: each kernel timed once, one after another, in ``kernels_for``'s order (runs 1-220).
+ROUNDS = 1
 
 
 def keep_busy(replay: Callable[[], object], seconds: float) -> None:
@@ -298,12 +304,18 @@ def time_replays(graph: torch.cuda.CUDAGraph, reps: int = REPS_PER_GRAPH) -> flo
 
 def time_alternating(calls: list[Callable], case: Case, rounds: int) -> list[list[float]]:
     """Microseconds per call of each of ``calls`` (each captured into one graph), one value
-    per round; round ``r`` starts at call ``r`` (mod the count), so no call always runs first
-    or last (A B, B A, ... for two). Why: a clock or thermal drift between timings taken one
-    after the other reads as a gap between kernels; alternating, each one's median keeps
-    only their own difference."""
-    graphs = [capture_graph(call, case) for call in calls]
-    times: list[list[float]] = [[] for _ in calls]
+    per round (``alternate_graphs``)."""
+    return alternate_graphs([capture_graph(call, case) for call in calls], rounds)
+
+
+def alternate_graphs(graphs: list, rounds: int) -> list[list[float]]:
+    """Microseconds per call of each of ``graphs``, one value per round; round ``r`` starts
+    at graph ``r`` (mod the count), so no graph always runs first or last (A B, B A, ... for
+    two). Why: a clock or thermal drift between timings taken one after the other reads as a
+    gap between kernels (the kernel timed first for each shape ran more than 1 us slower
+    than its twin timed later on 34 of 792 shapes under 40 us, faster on none: runs
+    150-220); alternating, each one's median keeps only their own difference."""
+    times: list[list[float]] = [[] for _ in graphs]
     for r in range(rounds):
         first = r % len(graphs)
         for i in [*range(first, len(graphs)), *range(first)]:
@@ -417,6 +429,13 @@ def bench_shape(shape: tuple, idx: int, device, writer, pass_no: int, summary: l
                 max_len=max(case.lens_host), bytes=nbytes, flops=flops,
                 spread=round(max(case.lens_host) * b / sum(case.lens_host), 3))
     times = {}
+
+    def timed(row: dict, name: str, us: float) -> dict:
+        times[name] = us
+        return dict(row, us=f"{us:.2f}", pct_copy=f"{100 * nbytes / (us * 1e-6) / COPY_BPS:.1f}",
+                    tflops=f"{flops / (us * 1e-6) / 1e12:.1f}")
+
+    captured = []  # (kernel, row, graph) to time in rotated rounds (``ROUNDS`` > 1)
     for k in kernels_for(case, mode):
         row = dict(row0, kernel=k.name, status="ok", us="", pct_copy="", tflops="", rel_err="")
         if k.absent:
@@ -426,13 +445,17 @@ def bench_shape(shape: tuple, idx: int, device, writer, pass_no: int, summary: l
                 if ref is not None:
                     k.out.fill_(float("nan"))
                     row["rel_err"] = f"{rel_error(k.call(case.caches[0]), ref):.2e}"
-                us = time_graph(k.call, case)
-                times[k.name] = us
-                row.update(us=f"{us:.2f}", pct_copy=f"{100 * nbytes / (us * 1e-6) / COPY_BPS:.1f}",
-                           tflops=f"{flops / (us * 1e-6) / 1e12:.1f}")
+                if ROUNDS > 1:
+                    captured.append((k, row, capture_graph(k.call, case)))
+                    continue
+                row = timed(row, k.name, time_graph(k.call, case))
             except Exception as exc:
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:160]}"
         writer.writerow(row)
+    if captured:
+        rounds = alternate_graphs([graph for *_, graph in captured], ROUNDS)
+        for (k, row, _), values in zip(captured, rounds, strict=True):
+            writer.writerow(timed(row, k.name, statistics.median(values)))
     plugin = next((t for n, t in times.items() if n.startswith("plugin")), None)
     peers = {n: t for n, t in times.items() if n.startswith("peer:") and "sorted" not in n}
     best = min(peers.items(), key=lambda kv: kv[1]) if peers else (None, None)
@@ -624,7 +647,7 @@ def prewarm_jit() -> None:
 
 
 def main() -> None:
-    global COPY_BPS, EXTRA_ROUTES, SPLITK_CONFIGS, SUSTAIN_S
+    global COPY_BPS, EXTRA_ROUTES, ROUNDS, SPLITK_CONFIGS, SUSTAIN_S
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--quick", action="store_true", help="8 representative shapes only")
@@ -676,6 +699,10 @@ def main() -> None:
     ap.add_argument("--sustain", type=float, default=0.0, metavar="S",
                     help="replay each graph for S seconds before timing it (the clock an "
                          "engine's seconds of work leave; bench_decode.SUSTAIN_S)")
+    ap.add_argument("--rounds", type=int, default=1, metavar="N",
+                    help="time each shape's kernels in N rounds, the order rotated each "
+                         "round, and keep each kernel's median (bench_decode.ROUNDS); 1: "
+                         "once each, one after another, as runs 1-220")
     ap.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
                     help="FP8 shapes of the grid (--shapes) and random sets only: the plugin "
                          "against vLLM's FLASHMLA FP8, timed alternately ROUNDS times each "
@@ -684,6 +711,7 @@ def main() -> None:
     EXTRA_ROUTES = tuple(r for r in args.extra_routes.split(",") if r)
     decode_kernels.QUERY_PARTS = args.query_parts
     SUSTAIN_S = args.sustain
+    ROUNDS = max(1, args.rounds)
     if SUSTAIN_S:
         print(f"every graph replayed for {SUSTAIN_S:g} s before it is timed (--sustain)",
               flush=True)

@@ -143,6 +143,55 @@ def test_paired_timing_alternates_and_keeps_each_sides_median(monkeypatch, tmp_p
     assert summary == [("grid", "x", 11.0, 12.5, False)]  # 1.0 vs 2.0 outputs differ
 
 
+def test_rounds_time_a_shapes_kernels_in_rotated_order_and_keep_each_median(monkeypatch,
+                                                                           tmp_path):
+    """``bench_decode --rounds 3``: every kernel that runs is captured once, then timed in
+    three rounds, each starting at the next kernel; its row keeps the median round; an
+    absent kernel and one that fails to capture keep their own rows and join no round."""
+    class Case:
+        name, lens_host, q_len, caches = "x", [4096] * 4, 1, [0]
+
+    kernels = [bench_decode.Kernel("plugin-graph[vllm-fa3-mla]"),
+               bench_decode.Kernel("flashmla", absent="not eligible: test"),
+               bench_decode.Kernel("broken"), bench_decode.Kernel("peer:vllm-fa3-mla")]
+    us = {"plugin-graph[vllm-fa3-mla]": [30.0, 10.0, 11.0], "peer:vllm-fa3-mla": [12.0, 99.0, 13.0]}
+    for k in kernels:
+        k.call = k
+
+    def capture(call, case):
+        if call.name == "broken":
+            raise RuntimeError("capture failed")
+        return call
+
+    order = []
+    monkeypatch.setattr(bench_decode, "ROUNDS", 3)
+    monkeypatch.setattr(bench_decode, "make_case", lambda shape, seed, device: Case)
+    monkeypatch.setattr(bench_decode, "bytes_flops", lambda case: (10**6, 10**9))
+    monkeypatch.setattr(bench_decode, "CHECK_MAX_TOKENS", 0)  # no reference
+    monkeypatch.setattr(bench_decode, "kernels_for", lambda case, mode: kernels)
+    monkeypatch.setattr(bench_decode, "capture_graph", capture)
+    monkeypatch.setattr(bench_decode, "time_replays",
+                        lambda graph: order.append(graph.name) or us[graph.name].pop(0))
+    summary = []
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["pass_no", "shape", "heads", "batch", "ctx",
+                                               "lens", "q_len", "kv", "block", "kv_tokens",
+                                               "max_len", "spread", "bytes", "flops", "kernel",
+                                               "status", "us", "pct_copy", "tflops", "rel_err"])
+        writer.writeheader()
+        bench_decode.bench_shape((16, 4, 4096, "u", 1, "bf16", 64), 0, "cpu", writer, 1,
+                                 summary, "graph")
+    timed = ["plugin-graph[vllm-fa3-mla]", "peer:vllm-fa3-mla"]
+    assert order == timed + timed[::-1] + timed
+    with open(tmp_path / "d.csv", newline="") as f:
+        rows = {r["kernel"]: r for r in csv.DictReader(f)}
+    assert rows["plugin-graph[vllm-fa3-mla]"]["us"] == "11.00"
+    assert rows["peer:vllm-fa3-mla"]["us"] == "13.00"
+    assert rows["flashmla"]["status"].startswith("absent") and rows["flashmla"]["us"] == ""
+    assert rows["broken"]["status"] == "error: RuntimeError: capture failed"
+    assert summary[0][3] == 11.0 and summary[0][4] == ("peer:vllm-fa3-mla", 13.0)
+
+
 def test_paired_engines_share_a_process_per_round_and_alternate():
     names = ["TRTLLM_MLA", "FLASHMLA"]
     assert bench_engine.round_engines(names, 0, paired=True) == ["TRTLLM_MLA,FLASHMLA"]

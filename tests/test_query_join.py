@@ -11,8 +11,9 @@ pytest.importorskip("vllm")
 from trtllm_mla_plugin.vllm_backend.query_join import vllm_query_join
 
 
-def spec(kv_lora_rank: int = 512, rope_dim: int = 64) -> DecodeSpec:
-    return DecodeSpec(16, kv_lora_rank, rope_dim, 64, torch.bfloat16, torch.bfloat16, 0.07)
+def spec(kv_lora_rank: int = 512, rope_dim: int = 64,
+         dtype: torch.dtype = torch.bfloat16) -> DecodeSpec:
+    return DecodeSpec(16, kv_lora_rank, rope_dim, 64, dtype, dtype, 0.07)
 
 
 def build_has_concat_op() -> bool:
@@ -27,6 +28,20 @@ def build_has_concat_op() -> bool:
 def test_dims_outside_the_kernels_contract_keep_the_decoders_join(dims):
     """Not 512 + 64: vLLM's check admits a latent of 1024, its kernel reads 512 of it."""
     assert vllm_query_join(spec(*dims)) is None
+
+
+def test_on_a_build_with_the_op_only_bf16_and_fp16_queries_get_it(monkeypatch):
+    """vLLM's kernel is instantiated for half and bfloat16 and raises for other dtypes, so a
+    float32 model keeps the decoder's own join (a CUDA build stood in for by its op)."""
+    from types import SimpleNamespace
+
+    from vllm import _custom_ops
+
+    monkeypatch.setattr(torch.ops, "_C_cache_ops", SimpleNamespace(concat_mla_q=object()),
+                        raising=False)
+    assert vllm_query_join(spec()) is _custom_ops.concat_mla_q
+    assert vllm_query_join(spec(dtype=torch.float16)) is _custom_ops.concat_mla_q
+    assert vllm_query_join(spec(dtype=torch.float32)) is None
 
 
 def test_a_build_without_the_op_keeps_the_decoders_join():

@@ -111,7 +111,12 @@ def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str],
                   f"(batches >= {BOUNDS[0]}): {line(values)}")
 
 
-def read_results(path: Path) -> dict[str, tuple[int, dict[str, float]]]:
+def read_results(path: Path) -> list[tuple[int, dict[str, float]]]:
+    """``(batch size, median us per kernel)`` per shape of an ``--out`` file."""
+    return list(read_results_by_shape(path).values())
+
+
+def read_results_by_shape(path: Path) -> dict[str, tuple[int, dict[str, float]]]:
     """Shape name -> ``(batch size, median us per kernel)`` of an ``--out`` file."""
     by_shape: dict[str, tuple[int, dict[str, float]]] = {}
     with open(path, newline="") as f:
@@ -142,7 +147,7 @@ def main() -> None:
     args = ap.parse_args()
     routes = [r for r in args.routes.split(",") if r]
     if args.summarize:
-        by_shape = read_results(args.out)
+        by_shape = read_results_by_shape(args.out)
         summarize(list(by_shape.values()), routes, list(by_shape))
         return
     decode_kernels.QUERY_PARTS = args.query_parts

@@ -1025,7 +1025,8 @@ def test_graph_routes_ab_rotates_the_order_and_scores_by_median(monkeypatch, tmp
         f.write("shape,batch,kernel,rounds_us,median_us,rel_diff\n")
         for i, (b, med) in enumerate(results):
             f.writelines(f"s{i},{b},{name},,{us},0\n" for name, us in med.items())
-    assert ab.read_results(out) == {"s0": results[0], "s1": results[1]}
+    assert ab.read_results(out) == results
+    assert ab.read_results_by_shape(out) == {"s0": results[0], "s1": results[1]}
     printed = io.StringIO()
     with redirect_stdout(printed):
         ab.summarize(results, ["flashmla", "cuda-splitk"], ["s0", "s1"])

@@ -313,8 +313,9 @@ def alternate_graphs(graphs: list, rounds: int) -> list[list[float]]:
     at graph ``r`` (mod the count), so no graph always runs first or last (A B, B A, ... for
     two). Why: a clock or thermal drift between timings taken one after the other reads as a
     gap between kernels (the kernel timed first for each shape ran more than 1 us slower
-    than its twin timed later on 34 of 792 shapes under 40 us, faster on none: runs
-    150-220); alternating, each one's median keeps only their own difference."""
+    than its twin timed later on 38 of 879 shapes under 40 us, faster on none: runs
+    150-220, ``evaluate_policy.py --twin``); alternating, each one's median keeps only
+    their own difference."""
     times: list[list[float]] = [[] for _ in graphs]
     for r in range(rounds):
         first = r % len(graphs)

@@ -1,12 +1,14 @@
 """How the *current* SM90 policy does on measured shapes, without a GPU.
 
-``python benchmarks/evaluate_policy.py [--graph | --measured | --oracle [--node-us US]]
+``python benchmarks/evaluate_policy.py [--graph | --measured | --twin | --oracle [--node-us US]]
 [--vs PEER] [--query-join fused|copies|cat] shapes.jsonl FILE.csv ...`` reads
 bench_decode.py output (every route of the policy timed forced on every shape, and every
 peer), picks for each bf16 shape the route
 ``ops.policy`` ranks first (per batch, lengths known, as an eager decoder does; ``--graph``:
 batch size and query length only, as a CUDA-graph decoder does; ``--measured``: no replay,
-the ``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself; ``--oracle``:
+the ``plugin-graph[...]`` rows the bench timed, the CUDA-graph decoder itself; ``--twin``:
+the forced row of the route the decoder ran, timed later in the shape, with a count of the
+small shapes where the two differ by more than 1 us each way; ``--oracle``:
 the fastest of the CUDA-graph decoder's routes per shape, the ``vllm-fa3-mla`` and
 ``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row where it ran another route
 (``cuda-splitk``), plus ``--node-us US`` per call, which is the best a graph that picked between
@@ -120,9 +122,11 @@ def policy_row(r: dict, lens: list[int], graph: bool = False,
 
 
 #: What picks the plugin's row: the policy replayed with lengths (``eager``) or without
-#: (``graph``), the CUDA-graph decoder's own timed row (``measured``), or the fastest of
-#: ``ORACLE_ROWS`` and that row per shape (``oracle``).
-RULES = ("eager", "graph", "measured", "oracle")
+#: (``graph``), the CUDA-graph decoder's own timed row (``measured``), the forced row of the
+#: route the decoder ran, its twin (``twin``: the same kernel and plan timed later in the
+#: shape; the decoder's row where the file has none), or the fastest of ``ORACLE_ROWS`` and
+#: that row per shape (``oracle``).
+RULES = ("eager", "graph", "measured", "twin", "oracle")
 #: The routes a CUDA-graph decoder picks between for most bf16 batches (``ops.policy``'s
 #: graph rule: vLLM's FA3 kernel for small batches, FlashMLA for the rest).
 ORACLE_ROWS = ("vllm-fa3-mla", "flashmla")
@@ -195,6 +199,8 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             name = next((n for n in ks if n.startswith("plugin")), None)
         elif rule == "measured":
             name = graph_row
+        elif rule == "twin":
+            name = twin_row(ks, graph_row)
         elif rule == "oracle":
             timed = [n for n in ORACLE_ROWS if n in ks]
             # The decoder's own row where it ran a third route (``cuda-splitk``); never a
@@ -211,6 +217,39 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
         extra_us += join_us(name, ks[name], join, plugin=True)
         out.append((min(peers.values()) / (float(ks[name]["us"]) + extra_us), shape, name))
     return out
+
+
+def twin_row(ks: dict[str, dict], graph_row: str | None) -> str | None:
+    """The forced row of the route the decoder's row ``graph_row`` ran (``plugin-graph[R]``
+    -> ``R``) where the shape has one, else ``graph_row``."""
+    if graph_row is None:
+        return None
+    route = graph_row[len(GRAPH_ROW) + 1:-1]
+    return route if route in ks else graph_row
+
+
+#: ``--twin``'s report of the timing order: shapes whose twin took under this many us ...
+TWIN_SMALL_US = 40.0
+#: ... and a gap between the decoder's row and its twin's of more than this many us.
+TWIN_GAP_US = 1.0
+
+
+def twin_gaps(rows: dict[str, dict[str, dict]]) -> tuple[int, int, int]:
+    """``(pairs, decoder slower, decoder faster)`` over the shapes of one file whose
+    decoder row has a twin taking under ``TWIN_SMALL_US``: slower / faster by more than
+    ``TWIN_GAP_US``. The decoder's row is timed first for each shape (``bench_decode.py``
+    without ``--rounds``), its twin later."""
+    pairs = slower = faster = 0
+    for ks in rows.values():
+        graph_row = next((n for n in ks if n.startswith(GRAPH_ROW)), None)
+        twin = twin_row(ks, graph_row)
+        if twin is None or twin == graph_row or float(ks[twin]["us"]) >= TWIN_SMALL_US:
+            continue
+        gap = float(ks[graph_row]["us"]) - float(ks[twin]["us"])
+        pairs += 1
+        slower += gap > TWIN_GAP_US
+        faster += gap < -TWIN_GAP_US
+    return pairs, slower, faster
 
 
 #: Bounds of the CUDA-graph rule searched by ``--search-graph-bounds``: requests, query rows
@@ -337,8 +376,12 @@ def main(*argv: str) -> None:
         print_graph_bounds_search(paths, check, lens, vs, join=join)
         return
     every: dict[str, list[float]] = defaultdict(list)
+    gaps = [0, 0, 0]
     for path in paths:
-        rs = ratios(path, lens, rule, vs, node_us, join=join)
+        rows = timed_rows(path)
+        rs = ratios(path, lens, rule, vs, node_us, rows=rows, join=join)
+        if rule == "twin":
+            gaps = [a + b for a, b in zip(gaps, twin_gaps(rows), strict=True)]
         for kv in ("bf16", "fp8"):
             sel = [x for x in rs if f" {kv} " in x[1]]
             if not sel:
@@ -355,6 +398,10 @@ def main(*argv: str) -> None:
             geo, worst, n = summary(rs)
             print(f"all {len(paths)} files {kv}: {n} shapes, worst {worst:.3f}, "
                   f"geomean {geo:.3f}, under 0.95: {sum(r < 0.95 for r in rs)}")
+    if rule == "twin":
+        print(f"decoder row against its twin, twins under {TWIN_SMALL_US:g} us: {gaps[0]} "
+              f"pairs, decoder slower by > {TWIN_GAP_US:g} us in {gaps[1]}, faster in "
+              f"{gaps[2]}")
 
 
 if __name__ == "__main__":

@@ -682,6 +682,39 @@ def test_policy_scores_flashmla_as_the_engine_runs_it(tmp_path):
         assert float(timed["vllm-fa3-mla"]["us"]) == 18.0  # stood in for by vLLM's FA3 peer
 
 
+def test_twin_scores_the_decoder_by_its_routes_forced_row_and_counts_the_gaps(tmp_path,
+                                                                               capsys):
+    """``evaluate_policy --twin``: each shape scored by the forced row of the route the
+    decoder's row ran (its own row where there is none, as for ``cuda-splitk``); the small
+    shapes (twin under 40 us) where the two differ by more than 1 us, counted each way."""
+    import evaluate_policy
+
+    path = tmp_path / "run300-random-1.csv"
+    path.write_text(
+        "pass_no,shape,kernel,status,us,kv\n"
+        "1,a bf16 ,plugin-graph[vllm-fa3-mla],ok,12.0,bf16\n"   # 2 us over its twin
+        "1,a bf16 ,vllm-fa3-mla,ok,10.0,bf16\n"
+        "1,a bf16 ,peer:vllm-fa3-mla,ok,10.0,bf16\n"
+        "1,a bf16 ,peer:vllm-flashmla,ok,11.0,bf16\n"
+        "1,b bf16 ,plugin-graph[cuda-splitk],ok,20.0,bf16\n"    # no forced twin
+        "1,b bf16 ,peer:vllm-fa3-mla,ok,22.0,bf16\n"
+        "1,b bf16 ,peer:vllm-flashmla,ok,30.0,bf16\n"
+        "1,c bf16 ,plugin-graph[flashmla],ok,45.0,bf16\n"       # twin of 48 us: not small
+        "1,c bf16 ,flashmla,ok,48.0,bf16\n"
+        "1,c bf16 ,peer:vllm-fa3-mla,ok,60.0,bf16\n"
+        "1,c bf16 ,peer:vllm-flashmla,ok,49.0,bf16\n")
+    measured = {s: r for r, s, _ in evaluate_policy.ratios(str(path), {}, "measured")}
+    twin = {s: (r, n) for r, s, n in evaluate_policy.ratios(str(path), {}, "twin")}
+    assert measured["a bf16 "] == pytest.approx(10 / 12)
+    assert twin["a bf16 "] == (pytest.approx(1.0), "vllm-fa3-mla")
+    assert twin["b bf16 "] == (pytest.approx(1.1), "plugin-graph[cuda-splitk]")
+    assert twin["c bf16 "] == (pytest.approx(49 / 48), "flashmla")
+    assert evaluate_policy.twin_gaps(evaluate_policy.timed_rows(str(path))) == (1, 1, 0)
+    evaluate_policy.main("--twin", "-", str(path))
+    assert ("decoder row against its twin, twins under 40 us: 1 pairs, decoder slower by "
+            "> 1 us in 1, faster in 0") in capsys.readouterr().out
+
+
 def test_oracle_scores_the_faster_route_per_shape_plus_its_node_cost(tmp_path):
     """``evaluate_policy --oracle``: per bf16 shape the fastest of the ``vllm-fa3-mla`` and
     ``flashmla`` rows and the decoder's own ``plugin-graph[...]`` row where it ran another

@@ -26,6 +26,8 @@ import torch
 from bench_decode import capture_calls, ceilings, time_replays
 from decode_kernels import engine_query_parts
 
+from trtllm_mla_plugin.ops import join_query_parts
+
 LATENT, ROPE = 512, 64
 #: tokens x heads: the engine's tall MTP step (160 requests x 3 tokens, 128 heads), and
 #: decode batches of 16-128 heads at 1-3 tokens a request.
@@ -37,9 +39,8 @@ def joins(ql_nope: torch.Tensor, q_pe: torch.Tensor) -> dict[str, Callable[[], t
     heads, 576]`` tensor."""
     out = ql_nope.new_empty(*ql_nope.shape[:2], LATENT + ROPE)
 
-    def two_copies() -> torch.Tensor:
-        out[..., :LATENT].copy_(ql_nope)
-        out[..., LATENT:].copy_(q_pe)
+    def two_copies() -> torch.Tensor:  # the decoder's own join
+        join_query_parts(ql_nope, q_pe, out)
         return out
 
     ways: dict[str, Callable[[], torch.Tensor]] = {

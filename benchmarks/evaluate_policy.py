@@ -134,6 +134,16 @@ ORACLE_ROWS = ("vllm-fa3-mla", "flashmla")
 GRAPH_ROW = "plugin-graph"
 
 
+def decoder_row(ks: dict[str, dict]) -> str | None:
+    """The name of a shape's ``GRAPH_ROW`` row, if the bench timed the decoder."""
+    return next((n for n in ks if n.startswith(GRAPH_ROW)), None)
+
+
+def decoder_route(row: str) -> str:
+    """The route a ``plugin-graph[<route>]`` row ran."""
+    return row[len(GRAPH_ROW) + 1:-1]
+
+
 #: First run whose ``peer:vllm-flashmla`` rows have FlashMLA's per-step schedule kernel in
 #: them (docs/benchmarks-history.md: found missing in run 78, put back for run 80).
 PEER_FLASHMLA_SCHEDULED_FROM_RUN = 80
@@ -194,7 +204,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             continue
         any_row = next(iter(ks.values()))
         extra_us = 0.0
-        graph_row = next((n for n in ks if n.startswith(GRAPH_ROW)), None)
+        graph_row = decoder_row(ks)
         if any_row["kv"] == "fp8":
             name = next((n for n in ks if n.startswith("plugin")), None)
         elif rule == "measured":
@@ -205,7 +215,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             timed = [n for n in ORACLE_ROWS if n in ks]
             # The decoder's own row where it ran a third route (``cuda-splitk``); never a
             # second timing of one of ORACLE_ROWS, whose minimum would favour noise.
-            if graph_row is not None and graph_row[len(GRAPH_ROW) + 1:-1] not in ORACLE_ROWS:
+            if graph_row is not None and decoder_route(graph_row) not in ORACLE_ROWS:
                 timed.append(graph_row)
             name = (min(timed, key=lambda n: float(ks[n]["us"]))
                     if all(n in ks for n in ORACLE_ROWS) else None)
@@ -224,7 +234,7 @@ def twin_row(ks: dict[str, dict], graph_row: str | None) -> str | None:
     -> ``R``) where the shape has one, else ``graph_row``."""
     if graph_row is None:
         return None
-    route = graph_row[len(GRAPH_ROW) + 1:-1]
+    route = decoder_route(graph_row)
     return route if route in ks else graph_row
 
 
@@ -241,7 +251,7 @@ def twin_gaps(rows: dict[str, dict[str, dict]]) -> tuple[int, int, int]:
     without ``--rounds``), its twin later."""
     pairs = slower = faster = 0
     for ks in rows.values():
-        graph_row = next((n for n in ks if n.startswith(GRAPH_ROW)), None)
+        graph_row = decoder_row(ks)
         twin = twin_row(ks, graph_row)
         if twin is None or twin == graph_row or float(ks[twin]["us"]) >= TWIN_SMALL_US:
             continue

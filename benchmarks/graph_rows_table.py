@@ -23,7 +23,15 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from bench_decode import int_range, parse_shape_name
-from evaluate_policy import GRAPH_ROW, ORACLE_ROWS, summary, timed_rows, vllm_peer_times
+from evaluate_policy import (
+    GRAPH_ROW,
+    ORACLE_ROWS,
+    decoder_route,
+    decoder_row,
+    summary,
+    timed_rows,
+    vllm_peer_times,
+)
 
 #: The table's column of FlashMLA forced against FA3 forced.
 PAIR = "flashmla/vllm-fa3-mla"
@@ -48,13 +56,13 @@ def graph_timings(paths: Sequence[str], block: int = 64) -> list[dict]:
     for path in paths:
         for shape, ks in timed_rows(path).items():
             heads, batch, _ctx, _kind, q_len, kv, page = parse_shape_name(shape)
-            graph = next((n for n in ks if n.startswith(GRAPH_ROW)), None)
+            graph = decoder_row(ks)
             peers = vllm_peer_times(ks)
             if kv != "bf16" or page != block or graph is None or not peers:
                 continue
             vllm = min(peers.values())
             timing = dict(rows=heads * q_len, q_len=q_len, batch=batch,
-                          decoder=graph[len(GRAPH_ROW) + 1:-1],
+                          decoder=decoder_route(graph),
                           **{GRAPH_ROW: vllm / float(ks[graph]["us"])})
             timing.update({n: vllm / float(ks[n]["us"]) for n in ORACLE_ROWS if n in ks})
             found.append(timing)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench_decode import parse_shape_name
-from evaluate_policy import GRAPH_ROW, read_shapes_log, timed_rows, vllm_peer_times
+from evaluate_policy import decoder_row, read_shapes_log, timed_rows, vllm_peer_times
 from one_wave_shapes import one_wave_plan
 from spill_band_replay import VARIANT
 
@@ -61,8 +61,8 @@ def one_wave_timings(shapes_path: Path, csv_paths: Sequence[Path],
             if (timed == VARIANT and not one_wave) or timed not in ks:
                 continue
             vllm = min(vllm_peer_times(ks).values(), default=math.nan)
-            graph = next((float(r["us"]) for n, r in ks.items() if n.startswith(GRAPH_ROW)),
-                         math.nan)
+            row = decoder_row(ks)
+            graph = float(ks[row]["us"]) if row is not None else math.nan
             found.append(dict(shape=shape, spread=spread,
                               longest=-(-max(lens[shape]) // FA3_KV_TILE),
                               taken=taken,

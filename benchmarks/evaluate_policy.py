@@ -186,6 +186,17 @@ def vllm_peer_times(ks: dict[str, dict]) -> dict[str, float]:
             if n.startswith("peer:") and "sorted" not in n}
 
 
+def engine_peer_times(ks: dict[str, dict], join: str | None) -> dict[str, float]:
+    """``vllm_peer_times`` with each call's query join modelled (``join_us``)."""
+    return {n: t + join_us(n, ks[n], join, plugin=False) for n, t in vllm_peer_times(ks).items()}
+
+
+def engine_us(ks: dict[str, dict], name: str, join: str | None) -> float:
+    """The plugin's row ``name`` of a shape's ``timed_rows`` with its query join modelled
+    (``join_us``)."""
+    return float(ks[name]["us"]) + join_us(name, ks[name], join, plugin=True)
+
+
 def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
            vs: str | None = None, node_us: float = 0.0,
            rows: dict[str, dict[str, dict]] | None = None,
@@ -196,8 +207,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
     (``join_us``)."""
     out = []
     for shape, ks in (rows if rows is not None else timed_rows(path)).items():
-        peers = {n: t + join_us(n, ks[n], join, plugin=False)
-                 for n, t in vllm_peer_times(ks).items()}
+        peers = engine_peer_times(ks, join)
         if vs is not None:
             peers = {n: t for n, t in peers.items() if n.startswith(vs)}
         if not peers:
@@ -224,8 +234,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)
         if name is None or name not in ks:
             continue
-        extra_us += join_us(name, ks[name], join, plugin=True)
-        out.append((min(peers.values()) / (float(ks[name]["us"]) + extra_us), shape, name))
+        out.append((min(peers.values()) / (engine_us(ks, name, join) + extra_us), shape, name))
     return out
 
 

@@ -1,19 +1,22 @@
 """The CUDA-graph decoder and the two routes it picks between, by query rows and batch size.
 
 ``python benchmarks/graph_rows_table.py [--block P] [--rows R[,R...]] [--q-lens LO-HI]
-FILE.csv ...`` reads bench_decode.py output timed with ``--graph-only`` (the decoder's
-``plugin-graph[...]`` row, the routes forced, vLLM's calls as ``peer:`` rows) and, for the
-bf16 shapes on pages of ``--block`` tokens (64), groups them by query rows per request
-(heads x query tokens; only ``--rows`` if given, and only shapes of ``--q-lens`` query
-tokens) and batch band (``BATCH_BANDS``). Per group: shapes, the routes the decoder ran,
-and for the decoder and for each of ``evaluate_policy.ORACLE_ROWS`` forced
-(``vllm-fa3-mla``, ``flashmla``) the geometric mean of the faster of vLLM's calls over its
-time (> 1: faster than vLLM), how many shapes are under 1.0 and the worst; then FlashMLA
-forced against FA3 forced (``PAIR``: geomean, shapes FlashMLA ran faster). A group where a
-forced route beats the decoder is a candidate for the graph rule (``ops.policy``), to be
-checked on fresh draws (``bench_decode.py --random ... --random-request-rows R --random-batches
-LO-HI``) before any change. Each file's timings count apart: a shape timed in two runs
-counts twice.
+[--query-join fused|copies|cat] FILE.csv ...`` reads bench_decode.py output timed with
+``--graph-only`` (the decoder's ``plugin-graph[...]`` row, the routes forced, vLLM's calls
+as ``peer:`` rows) and, for the bf16 shapes on pages of ``--block`` tokens (64), groups them
+by query rows per request (heads x query tokens; only ``--rows`` if given, and only shapes
+of ``--q-lens`` query tokens) and batch band (``BATCH_BANDS``). Per group: shapes, the
+routes the decoder ran, and for the decoder and for each of ``evaluate_policy.ORACLE_ROWS``
+forced (``vllm-fa3-mla``, ``flashmla``) the geometric mean of the faster of vLLM's calls
+over its time (> 1: faster than vLLM), how many shapes are under 1.0 and the worst; then
+FlashMLA forced against FA3 forced (``PAIR``: geomean, shapes FlashMLA ran faster). A group
+where a forced route beats the decoder is a candidate for the graph rule (``ops.policy``),
+to be checked on fresh draws (``bench_decode.py --random ... --random-request-rows R
+--random-batches LO-HI``) before any change. Each file's timings count apart: a shape timed
+in two runs counts twice. ``--query-join``: each time with what joining vLLM's two query
+parts would add in the engine (``evaluate_policy.join_us``: the given join for the plugin's
+rows of routes that read the query whole, ``torch.cat`` for vLLM's FLASHMLA), for files
+timed with one 576-wide query (runs 1-220).
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from collections.abc import Sequence
 from bench_decode import int_range, parse_shape_name
 from evaluate_policy import (
     GRAPH_ROW,
+    JOIN_COSTS,
     ORACLE_ROWS,
     decoder_route,
     decoder_row,
+    engine_peer_times,
+    engine_us,
     summary,
     timed_rows,
     vllm_peer_times,
@@ -47,24 +53,25 @@ def batch_band(batch: int) -> tuple[int, int]:
     return next(band for band in BATCH_BANDS if band[0] <= batch <= band[1])
 
 
-def graph_timings(paths: Sequence[str], block: int = 64) -> list[dict]:
+def graph_timings(paths: Sequence[str], block: int = 64,
+                  join: str | None = None) -> list[dict]:
     """Per bf16 shape timed with the decoder and vLLM's calls, on pages of ``block``
     tokens: ``rows`` (per request), ``batch``, ``decoder`` (its route), and the faster of
     vLLM's calls over the decoder's time (``plugin-graph``) and over each forced route's
-    where timed (``vllm-fa3-mla``, ``flashmla``)."""
+    where timed (``vllm-fa3-mla``, ``flashmla``); ``join``: each call with its query join
+    modelled (``evaluate_policy.join_us``)."""
     found = []
     for path in paths:
         for shape, ks in timed_rows(path).items():
             heads, batch, _ctx, _kind, q_len, kv, page = parse_shape_name(shape)
             graph = decoder_row(ks)
-            peers = vllm_peer_times(ks)
-            if kv != "bf16" or page != block or graph is None or not peers:
+            if kv != "bf16" or page != block or graph is None or not vllm_peer_times(ks):
                 continue
-            vllm = min(peers.values())
+            vllm = min(engine_peer_times(ks, join).values())
             timing = dict(rows=heads * q_len, q_len=q_len, batch=batch,
                           decoder=decoder_route(graph),
-                          **{GRAPH_ROW: vllm / float(ks[graph]["us"])})
-            timing.update({n: vllm / float(ks[n]["us"]) for n in ORACLE_ROWS if n in ks})
+                          **{GRAPH_ROW: vllm / engine_us(ks, graph, join)})
+            timing.update({n: vllm / engine_us(ks, n, join) for n in ORACLE_ROWS if n in ks})
             found.append(timing)
     return found
 
@@ -104,10 +111,12 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="comma-separated query rows per request")
     ap.add_argument("--q-lens", type=int_range, default=(1, 4), metavar="LO-HI",
                     help="query tokens per request of the shapes kept")
+    ap.add_argument("--query-join", choices=sorted(JOIN_COSTS), default=None,
+                    help="add the engine's query join to each call (files of runs 1-220)")
     args = ap.parse_args()
     keep = {int(r) for r in args.rows.split(",") if r}
     lo, hi = args.q_lens
-    timings = [t for t in graph_timings(args.files, args.block)
+    timings = [t for t in graph_timings(args.files, args.block, args.query_join)
                if (not keep or t["rows"] in keep) and lo <= t["q_len"] <= hi]
     print("rows  batch     shapes  " + "  ".join(f"{n:>34}" for n in (GRAPH_ROW, *ORACLE_ROWS))
           + f"  {PAIR:>26}  decoder's routes")

@@ -1225,13 +1225,15 @@ def test_one_wave_shapes_draws_what_the_route_replans_and_controls_it_declines()
 
 def write_timings_csv(path: Path, timings: dict[str, dict[str, float]]) -> Path:
     """A bench_decode.py CSV at ``path`` of first-pass ``ok`` rows: ``{shape: {kernel:
-    us}}``."""
+    us}}``, with the shape's columns its name gives."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["pass_no", "shape", "kernel", "status", "us"])
+        w.writerow(["pass_no", "shape", "heads", "batch", "q_len", "kv", "block", "kernel",
+                    "status", "us"])
         for shape, rows in timings.items():
+            heads, batch, _ctx, _kind, q_len, kv, block = bench_decode.parse_shape_name(shape)
             for kernel, us in rows.items():
-                w.writerow([1, shape, kernel, "ok", us])
+                w.writerow([1, shape, heads, batch, q_len, kv, block, kernel, "ok", us])
     return path
 
 
@@ -1332,6 +1334,32 @@ def test_graph_rows_table_groups_the_decoder_and_forced_routes_by_rows_and_batch
     # FlashMLA forced over FA3 forced: faster at b36 (108 / 95), slower at b44 (80 / 90).
     assert narrow[table.PAIR] == (pytest.approx(108 / 95), 2, 2)
     assert wide[table.PAIR] == (pytest.approx(80 / 90), 0, 2)
+
+
+def test_graph_rows_table_adds_the_engines_query_join_to_each_call(tmp_path):
+    """``graph_rows_table.py --query-join``: the decoder's and the forced routes' rows that
+    read the query whole pay the given join, vLLM's FLASHMLA pays ``torch.cat``, FA3 rows
+    (vLLM's and the decoder's on it) pay nothing. h16 b64 q1: 1024 query rows, 2 x 1024 x
+    1152 = 2,359,296 bytes moved; fused 1.7 us + 2,359,296 B at 3716 GB/s = 2.3349 us, cat
+    1.7 us + at 938 GB/s = 4.2153 us (``JOIN_COSTS``, run 220)."""
+    import graph_rows_table as table
+
+    timings = {
+        "h16 b64 4096 u q1 bf16 p64": {"plugin-graph[cuda-splitk]": 90.0, "vllm-fa3-mla": 85.0,
+                                       "flashmla": 95.0, "peer:vllm-fa3-mla": 86.0,
+                                       "peer:vllm-flashmla": 84.0},
+        "h16 b40 900 u q1 bf16 p64": {"plugin-graph[vllm-fa3-mla]": 24.0,
+                                      "peer:vllm-fa3-mla": 24.5, "peer:vllm-flashmla": 40.0},
+    }
+    path = str(write_timings_csv(tmp_path / "run180.csv", timings))
+    plain, = (t for t in table.graph_timings([path]) if t["batch"] == 64)
+    assert plain["plugin-graph"] == pytest.approx(84 / 90)
+    fused, short = sorted(table.graph_timings([path], join="fused"), key=lambda t: -t["batch"])
+    vllm = min(86.0, 84.0 + 4.2153)  # FLASHMLA's call with torch.cat: FA3's is faster now
+    assert fused["plugin-graph"] == pytest.approx(vllm / (90 + 2.3349), rel=1e-4)
+    assert fused["flashmla"] == pytest.approx(vllm / (95 + 2.3349), rel=1e-4)
+    assert fused["vllm-fa3-mla"] == pytest.approx(vllm / 85, rel=1e-4)
+    assert short["plugin-graph"] == pytest.approx(24.5 / 24.0)
 
 
 def test_mtp_engines_capture_their_decode_batches_in_tokens():

@@ -1,22 +1,23 @@
 """The CUDA-graph decoder and the two routes it picks between, by query rows and batch size.
 
 ``python benchmarks/graph_rows_table.py [--block P] [--rows R[,R...]] [--q-lens LO-HI]
-[--query-join fused|copies|cat] FILE.csv ...`` reads bench_decode.py output timed with
-``--graph-only`` (the decoder's ``plugin-graph[...]`` row, the routes forced, vLLM's calls
-as ``peer:`` rows) and, for the bf16 shapes on pages of ``--block`` tokens (64), groups them
-by query rows per request (heads x query tokens; only ``--rows`` if given, and only shapes
-of ``--q-lens`` query tokens) and batch band (``BATCH_BANDS``). Per group: shapes, the
-routes the decoder ran, and for the decoder and for each of ``evaluate_policy.ORACLE_ROWS``
-forced (``vllm-fa3-mla``, ``flashmla``) the geometric mean of the faster of vLLM's calls
-over its time (> 1: faster than vLLM), how many shapes are under 1.0 and the worst; then
-FlashMLA forced against FA3 forced (``PAIR``: geomean, shapes FlashMLA ran faster). A group
-where a forced route beats the decoder is a candidate for the graph rule (``ops.policy``),
-to be checked on fresh draws (``bench_decode.py --random ... --random-request-rows R
---random-batches LO-HI``) before any change. Each file's timings count apart: a shape timed
-in two runs counts twice. ``--query-join``: each time with what joining vLLM's two query
-parts would add in the engine (``evaluate_policy.join_us``: the given join for the plugin's
-rows of routes that read the query whole, ``torch.cat`` for vLLM's FLASHMLA), for files
-timed with one 576-wide query (runs 1-220).
+[--query-join fused|copies|cat] [--total LO-HI] FILE.csv ...`` reads bench_decode.py output
+timed with ``--graph-only`` (the decoder's ``plugin-graph[...]`` row, the routes forced,
+vLLM's calls as ``peer:`` rows) and, for the bf16 shapes on pages of ``--block`` tokens
+(64), groups them by query rows per request (heads x query tokens; only ``--rows`` if given,
+and only shapes of ``--q-lens`` query tokens) and batch band (``BATCH_BANDS``). Per group:
+shapes, the routes the decoder ran, and for the decoder and for each of
+``evaluate_policy.ORACLE_ROWS`` forced (``vllm-fa3-mla``, ``flashmla``) the geometric mean
+of the faster of vLLM's calls over its time (> 1: faster than vLLM), how many shapes are
+under 1.0 and the worst; then FlashMLA forced against FA3 forced (``PAIR``: geomean, shapes
+FlashMLA ran faster); ``--total``: then the same per query rows over all batches of LO-HI
+requests. A group where a forced route beats the decoder is a candidate for the graph rule
+(``ops.policy``), to be checked on fresh draws (``bench_decode.py --random ...
+--random-request-rows R --random-batches LO-HI``) before any change. Each file's timings
+count apart: a shape timed in two runs counts twice. ``--query-join``: each time with what
+joining vLLM's two query parts would add in the engine (``evaluate_policy.join_us``: the
+given join for the plugin's rows of routes that read the query whole, ``torch.cat`` for
+vLLM's FLASHMLA), for files timed with one 576-wide query (runs 1-220).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ BATCH_BANDS = ((1, 32), (33, 40), (41, 48), (49, 64), (65, 96), (97, 132), (133,
                (257, 1024))
 
 
-def batch_band(batch: int) -> tuple[int, int]:
-    """The ``BATCH_BANDS`` band holding ``batch``."""
-    return next(band for band in BATCH_BANDS if band[0] <= batch <= band[1])
+def batch_band(batch: int, bands: Sequence[tuple[int, int]] = BATCH_BANDS
+               ) -> tuple[int, int] | None:
+    """The band of ``bands`` (``BATCH_BANDS``) holding ``batch``, if any."""
+    return next((band for band in bands if band[0] <= batch <= band[1]), None)
 
 
 def graph_timings(paths: Sequence[str], block: int = 64,
@@ -76,15 +78,19 @@ def graph_timings(paths: Sequence[str], block: int = 64,
     return found
 
 
-def group_table(timings: Sequence[dict]) -> list[dict]:
-    """Per (rows, batch band), in that order: ``rows``, ``band``, ``shapes``, ``decoders``
-    (route: shapes), for the decoder and each forced route ``(geomean, under 1.0, shapes
-    timed, worst)``, and ``PAIR`` (FlashMLA forced over FA3 forced, the time of one over the
-    other's, on the shapes both were timed: ``(geomean, FlashMLA faster, shapes)``), the
-    numbers a candidate's criterion reads."""
+def group_table(timings: Sequence[dict],
+                bands: Sequence[tuple[int, int]] = BATCH_BANDS) -> list[dict]:
+    """Per (rows, batch band of ``bands``; shapes in none are left out), in that order:
+    ``rows``, ``band``, ``shapes``, ``decoders`` (route: shapes), for the decoder and
+    each forced route ``(geomean, under 1.0, shapes timed, worst)``, and ``PAIR``
+    (FlashMLA forced over FA3 forced, the time of one over the other's, on the shapes
+    both were timed: ``(geomean, FlashMLA faster, shapes)``), the numbers a candidate's
+    criterion reads."""
     groups: dict[tuple[int, tuple[int, int]], list[dict]] = defaultdict(list)
     for t in timings:
-        groups[(t["rows"], batch_band(t["batch"]))].append(t)
+        band = batch_band(t["batch"], bands)
+        if band is not None:
+            groups[(t["rows"], band)].append(t)
     table = []
     for (rows, band), group in sorted(groups.items()):
         line = dict(rows=rows, band=band, shapes=len(group),
@@ -113,6 +119,8 @@ def main() -> None:
                     help="query tokens per request of the shapes kept")
     ap.add_argument("--query-join", choices=sorted(JOIN_COSTS), default=None,
                     help="add the engine's query join to each call (files of runs 1-220)")
+    ap.add_argument("--total", type=int_range, default=None, metavar="LO-HI",
+                    help="then one line per rows over all batches of LO-HI requests")
     args = ap.parse_args()
     keep = {int(r) for r in args.rows.split(",") if r}
     lo, hi = args.q_lens
@@ -120,7 +128,15 @@ def main() -> None:
                if (not keep or t["rows"] in keep) and lo <= t["q_len"] <= hi]
     print("rows  batch     shapes  " + "  ".join(f"{n:>34}" for n in (GRAPH_ROW, *ORACLE_ROWS))
           + f"  {PAIR:>26}  decoder's routes")
-    for line in group_table(timings):
+    print_lines(group_table(timings))
+    if args.total:
+        print(f"over {args.total[0]}-{args.total[1]} requests:")
+        print_lines(group_table(timings, (args.total,)))
+
+
+def print_lines(lines: Sequence[dict]) -> None:
+    """``group_table``'s lines, one a row, in the header's columns."""
+    for line in lines:
         cells = ["{:.3f} ({:2d} < 1 of {:3d}, worst {:.3f})".format(*line[n]) if line[n]
                  else f"{'-':>34}" for n in (GRAPH_ROW, *ORACLE_ROWS)]
         cells.append("{:.3f} (faster {:2d} of {:3d})".format(*line[PAIR]) if line[PAIR]

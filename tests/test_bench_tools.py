@@ -1334,6 +1334,13 @@ def test_graph_rows_table_groups_the_decoder_and_forced_routes_by_rows_and_batch
     # FlashMLA forced over FA3 forced: faster at b36 (108 / 95), slower at b44 (80 / 90).
     assert narrow[table.PAIR] == (pytest.approx(108 / 95), 2, 2)
     assert wide[table.PAIR] == (pytest.approx(80 / 90), 0, 2)
+    # One band over both batch sizes (``--total``), and a band that holds neither.
+    total, = table.group_table(table.graph_timings(paths), ((33, 1024),))
+    assert (total["band"], total["shapes"]) == ((33, 1024), 4)
+    assert total["plugin-graph"] == (
+        pytest.approx((100 / 110 * 100 / 125 * 88 / 80 * 88 / 80) ** 0.25), 2, 4,
+        pytest.approx(100 / 125))
+    assert table.group_table(table.graph_timings(paths), ((1, 32),)) == []
 
 
 def test_graph_rows_table_adds_the_engines_query_join_to_each_call(tmp_path):

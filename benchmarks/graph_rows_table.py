@@ -37,7 +37,6 @@ from evaluate_policy import (
     engine_us,
     summary,
     timed_rows,
-    vllm_peer_times,
 )
 
 #: The table's column of FlashMLA forced against FA3 forced.
@@ -67,9 +66,10 @@ def graph_timings(paths: Sequence[str], block: int = 64,
         for shape, ks in timed_rows(path).items():
             heads, batch, _ctx, _kind, q_len, kv, page = parse_shape_name(shape)
             graph = decoder_row(ks)
-            if kv != "bf16" or page != block or graph is None or not vllm_peer_times(ks):
+            peers = engine_peer_times(ks, join)
+            if kv != "bf16" or page != block or graph is None or not peers:
                 continue
-            vllm = min(engine_peer_times(ks, join).values())
+            vllm = min(peers.values())
             timing = dict(rows=heads * q_len, q_len=q_len, batch=batch,
                           decoder=decoder_route(graph),
                           **{GRAPH_ROW: vllm / engine_us(ks, graph, join)})

@@ -823,6 +823,28 @@ def test_fa3_plan_imbalance_by_hand():
         (4096 + 256) / (4096 + 128))
 
 
+def test_fa3_plan_imbalance_follows_the_gpus_sm_count():
+    """FlashInfer plans over the device's own SMs, so the eager rule models them. 60
+    requests of 4096 tokens at 16 heads, even share with FlashMLA's request cost (245760 +
+    60 x 128) / SMs. On 132 SMs: share ceil(245760 / 132) = 1862 -> chunk limit 2048, each
+    request cut 2048 + 2048, 120 chunks of 2176 on 132 clusters: 2176 against 1920, 1.133,
+    FA3 stays first. On 78 SMs (an H20): share 3151 -> limit 3328, each request cut 3328 +
+    768 (costs 3456 and 896); 39 requests fill the 78 clusters (39 at 3456, 39 at 896), the
+    next 19 put a 3456 and an 896 chunk on two 896 clusters (4352, 1792), request 59 its
+    3456 on the last 896 and its 896 on a 1792 (2688), request 60 its 3456 on a 1792:
+    5248 against 253440 / 78, 1.615, and FlashMLA goes first. A platform that does not say
+    is modelled with the H200's 132."""
+    s = spec(16)
+    shape = BatchShape(60, 1, 4096, 60 * 4096, lengths=(4096,) * 60)
+    assert policy.fa3_plan_imbalance(s, shape, 132) == pytest.approx(2176 / (253440 / 132))
+    assert policy.fa3_plan_imbalance(s, shape, 78) == pytest.approx(5248 / (253440 / 78))
+    h20 = Platform("cuda", (9, 0), "NVIDIA H20", sm_count=78)
+    h200 = Platform("cuda", (9, 0), "NVIDIA H200", sm_count=132)
+    assert policy.rank(s, h20, shape)[0] == "flashmla"
+    assert policy.rank(s, h200, shape)[0] == "flashinfer-fa3"
+    assert policy.rank(s, H200, shape) == policy.rank(s, h200, shape)
+
+
 def test_eager_decoder_reads_lengths_only_from_exact_host_lengths(kernels_present,
                                                                    monkeypatch):
     """8 heads, 78 requests of 9850 tokens: FA3's plan leaves SMs idle (imbalance 1.7), so

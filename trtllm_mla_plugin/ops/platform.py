@@ -16,11 +16,14 @@ class Platform:
         kind: ``"cuda"`` or ``"cpu"`` (anything else torch knows is treated as ``"other"``).
         capability: CUDA compute capability ``(major, minor)``, ``None`` off CUDA.
         name: device name for messages, e.g. ``"NVIDIA H200"``.
+        sm_count: streaming multiprocessors (132 on an H200), ``None`` off CUDA; rules that
+            model how a kernel plans its work over the SMs read it.
     """
 
     kind: str
     capability: tuple[int, int] | None = None
     name: str = ""
+    sm_count: int | None = None
 
     @property
     def sm(self) -> int | None:
@@ -40,8 +43,8 @@ CPU = Platform(kind="cpu", name="cpu")
 
 @cache
 def _cuda_platform(index: int) -> Platform:
-    major, minor = torch.cuda.get_device_capability(index)
-    return Platform("cuda", (major, minor), torch.cuda.get_device_name(index))
+    props = torch.cuda.get_device_properties(index)
+    return Platform("cuda", (props.major, props.minor), props.name, props.multi_processor_count)
 
 
 def platform_of(device: torch.device | str) -> Platform:

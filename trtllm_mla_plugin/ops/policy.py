@@ -74,7 +74,9 @@ FA3_PLAN_IMBALANCE_FOR_FLASHMLA = 1.3
 #: 0.9776 (1536-2048 alike), seeds 13-19 0.9680 -> 0.9727.
 FLASHMLA_MIN_MEAN_LEN = 2048
 #: SMs of the H100 SXM and H200 (FlashInfer's MLA planner spreads work over one cluster per
-#: SM, or per SM pair when a request's query rows take two-CTA clusters).
+#: SM, or per SM pair when a request's query rows take two-CTA clusters): the count where
+#: the platform does not say (``Platform.sm_count``), as in replays of the H200's timings.
+#: Other Hopper parts (H100 PCIe 114, H20 78) are modelled with their own count, unmeasured.
 HOPPER_SMS = 132
 #: What a request costs FlashMLA beyond its KV tokens, in token-equivalents (its scheduler
 #: splits tokens evenly, but each request it touches adds a fixed cost).
@@ -444,10 +446,11 @@ def query_tiles(spec: DecodeSpec, max_q_len: int) -> int:
     return -(-spec.num_heads * max_q_len // 64)
 
 
-def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None,
+                            sms: int = HOPPER_SMS) -> bool:
     """The SM90 rule: FlashMLA ahead of FA3 for this batch (see docs/benchmarks.md): under
-    CUDA graphs always; with lengths, by FA3's plan imbalance (``shape.lengths``) or else
-    by the thresholds above."""
+    CUDA graphs always; with lengths, by FA3's plan imbalance over the GPU's ``sms``
+    (``shape.lengths``) or else by the thresholds above."""
     if shape is None:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: FlashMLA always ("Under CUDA graphs" above)
@@ -457,7 +460,7 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if shape.lengths is not None:
         if not _kv_tokens_at_least(shape, FLASHMLA_MIN_MEAN_LEN * shape.batch_size):
             return False
-        return fa3_plan_imbalance(spec, shape) >= FA3_PLAN_IMBALANCE_FOR_FLASHMLA
+        return fa3_plan_imbalance(spec, shape, sms) >= FA3_PLAN_IMBALANCE_FOR_FLASHMLA
     if spec.num_heads >= FLASHMLA_MANY_HEADS:
         return shape.max_seq_len >= FLASHMLA_LONG_SEQ or _ragged(shape)
     if shape.max_seq_len >= FLASHMLA_UNIFORM_LONG_SEQ:
@@ -610,7 +613,7 @@ def rank(
     if major == 9:
         if spec.fp8_kv:
             return HOPPER_FP8_FEW_HEADS if hopper_prefers_triton(spec, shape) else HOPPER_FP8
-        flashmla = hopper_prefers_flashmla(spec, shape)
+        flashmla = hopper_prefers_flashmla(spec, shape, platform.sm_count or HOPPER_SMS)
         # Without lengths (CUDA graphs) vLLM's FA3 rule decides before FlashMLA's, which
         # takes every other batch there; with lengths FlashMLA's rule decides first.
         lengths_known = shape is not None and shape.max_seq_len is not None

@@ -75,6 +75,8 @@ def test_supported_features_give_no_reason():
         ("encoder", dict(attn_type="encoder_only"), "not supported"),
         ("non-MLA model", dict(use_mla=False), "non-MLA not supported"),
         ("int8 KV cache", dict(kv_cache_dtype="int8_per_token_head"), "kv_cache_dtype"),
+        ("adaptive verification", dict(use_adaptive_verification=True),
+         "set enable_adaptive_verification to false in --speculative-config"),
     ],
 )
 def test_vllm_validate_configuration_reports_reason(what, kwargs, reason_part):

@@ -29,6 +29,11 @@ TRTLLM_GEN_BLOCK_SIZES = (32, 64)
 FALLBACK_BLOCK_SIZE = 64
 #: Preferred on every GPU: TRTLLM-gen and FlashMLA need it, FA3 was fastest with it.
 PREFERRED_GPU_BLOCK_SIZE = 64
+#: vLLM's reason for a backend without ``supports_device_cpu_query_lens_mismatch`` when
+#: adaptive verification is on (``v1/attention/backend.py``, vLLM 0.32 and 0.33).
+ADAPTIVE_VERIFICATION_REASON = (
+    "device-cpu query lens mismatch not supported, this is needed for adaptive verification"
+)
 
 
 def _is_blackwell() -> bool:
@@ -75,8 +80,24 @@ class TrtllmMLABackend(MLACommonBackend):
         return True
 
     @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # The decode plans read each step's query lengths on the host (the uniform-query
+        # reshape, FlashInfer's host-side plan, the short-prefill split), and adaptive
+        # verification changes them on the device: opting out makes vLLM refuse it at start
+        # instead of decoding batches the plan does not describe.
+        return False
+
+    @classmethod
     def validate_configuration(cls, *args, **kwargs) -> list[str]:
         reasons = super().validate_configuration(*args, **kwargs)
+        if ADAPTIVE_VERIFICATION_REASON in reasons:
+            # vLLM's reason names what is missing; say what the user set and how to go on.
+            reasons[reasons.index(ADAPTIVE_VERIFICATION_REASON)] = (
+                "speculative decoding with enable_adaptive_verification is not supported by "
+                "TRTLLM_MLA (its decode plans read each step's query lengths on the host, "
+                "which adaptive verification changes on the device); set "
+                "enable_adaptive_verification to false in --speculative-config"
+            )
         block_size = kwargs.get("block_size")
         if "block_size not supported" in reasons:
             reasons.remove("block_size not supported")

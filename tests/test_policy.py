@@ -800,6 +800,20 @@ def test_doctor_says_where_short_prefills_run(kernels_present):
     assert doctor.short_prefill_status(spec(16), B200).endswith("vLLM's prefill path")
 
 
+def test_doctor_names_the_gpus_sms_and_says_when_the_policy_was_not_measured_on_it():
+    from trtllm_mla_plugin import doctor
+
+    assert doctor.gpu_line(CPU) == "no GPU"
+    assert doctor.gpu_line(H200) == "NVIDIA H200 (SM90)"
+    assert doctor.gpu_line(Platform("cuda", (9, 0), "NVIDIA H200", 132)) == (
+        "NVIDIA H200 (SM90), 132 SMs")
+    h20 = doctor.gpu_line(Platform("cuda", (9, 0), "NVIDIA H20", 78))
+    assert h20.startswith("NVIDIA H20 (SM90), 78 SMs (the route policy was measured on the "
+                          "132-SM H200; its rules apply here unmeasured")
+    assert doctor.gpu_line(Platform("cuda", (10, 0), "NVIDIA B200", 148)) == (
+        "NVIDIA B200 (SM100), 148 SMs")
+
+
 def test_fa3_plan_imbalance_by_hand():
     """FlashInfer's FA3 MLA planner model against plans worked out by hand (16 heads, one
     token: one 64-row tile per request, 132 clusters, a chunk costs its tokens + 128).

@@ -58,6 +58,23 @@ def short_prefill_status(spec, platform) -> str:
     return f"short prefills (up to {small_prefill_spec(spec).max_q_len} new tokens): {where}"
 
 
+def gpu_line(platform) -> str:
+    """The report's GPU line: the device, its SMs, and on SM90 parts other than the
+    132-SM H100/H200 that the route policy's timings come from none of them."""
+    from .ops.policy import HOPPER_SMS
+
+    if platform.kind != "cuda":
+        return "no GPU"
+    line = platform.describe()
+    if platform.sm_count is None:
+        return line
+    line += f", {platform.sm_count} SMs"
+    if platform.capability == (9, 0) and platform.sm_count != HOPPER_SMS:
+        line += (f" (the route policy was measured on the {HOPPER_SMS}-SM H200; its rules "
+                 "apply here unmeasured, docs/benchmarks.md)")
+    return line
+
+
 def splitk_kernel_status(platform) -> str | None:
     """The report's line on the plugin's CUDA split-KV kernel (SM90 GPUs only)."""
     from .ops.kernels.nvcc_build import cached_cubin, find_nvcc
@@ -116,7 +133,7 @@ def report() -> tuple[list[str], bool]:
     else:
         device = torch.device("cpu")
     platform = platform_of(device)
-    lines.append(f"GPU: {platform.describe() if platform.kind == 'cuda' else 'no GPU'}")
+    lines.append(f"GPU: {gpu_line(platform)}")
 
     if engine is not None:
         seen = _vllm_sees_entry_point()

@@ -59,8 +59,9 @@ def short_prefill_status(spec, platform) -> str:
 
 
 def gpu_line(platform) -> str:
-    """The report's GPU line: the device, its SMs, and on SM90 parts other than the
-    132-SM H100/H200 that the route policy's timings come from none of them."""
+    """The report's GPU line: the device and its SMs, and on an SM90 part whose SM count
+    differs from the H200's (where the route policy was measured) that it was not measured
+    there."""
     from .ops.policy import HOPPER_SMS
 
     if platform.kind != "cuda":

@@ -90,14 +90,26 @@ def paired_points(files: list[list[dict]],
     per_point: dict[tuple, list[tuple[float, bool]]] = {}
     for (_, _, heads, kv, batch), rows in groups.items():
         names = [r["backend"] for r in rows]
-        if len(rows) != 2 or PLUGIN not in names or names[0] == names[1]:
+        mine = plugin_index(names) if len(rows) == 2 and names[0] != names[1] else None
+        if mine is None:
             continue
-        plugin = rows[names.index(PLUGIN)]
-        other = rows[1 - names.index(PLUGIN)]
+        plugin, other = rows[mine], rows[1 - mine]
+        against = other["backend"]
+        if plugin["backend"] != PLUGIN:
+            against += f" ({plugin['backend']} over it)"
         ratio = float(plugin[column]) / float(other[column])
-        per_point.setdefault((heads, kv, batch, other["backend"]), []).append(
-            (ratio, names[0] == PLUGIN))
+        per_point.setdefault((heads, kv, batch, against), []).append((ratio, mine == 0))
     return [_point(key, values) for key, values in per_point.items()]
+
+
+def plugin_index(names: list[str]) -> int | None:
+    """Which of a round's two backends is the plugin: ``TRTLLM_MLA`` or
+    ``TRTLLM_MLA@ROUTE`` (a route forced); of two plugin engines, the one with a route
+    forced (compared with the plugin's own choice); ``None`` if neither or undecided."""
+    mine = [i for i, n in enumerate(names) if n.split("@")[0] == PLUGIN]
+    if len(mine) == 2:
+        mine = [i for i in mine if "@" in names[i]]
+    return mine[0] if len(mine) == 1 else None
 
 
 def _point(key: tuple, values: list[tuple[float, bool]]) -> PairedPoint:

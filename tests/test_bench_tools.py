@@ -524,6 +524,21 @@ def test_paired_ratio_pools_files_and_needs_both_orders_for_an_interval():
     assert point.geomean == pytest.approx((1.1 * 1.2) ** 0.5)
 
 
+def test_paired_ratio_takes_a_forced_route_as_the_plugin():
+    """``TRTLLM_MLA@ROUTE`` is the plugin against vLLM's backend, and against the plugin's
+    own choice (``TRTLLM_MLA``) it is the one compared; the point names it."""
+    forced = _paired_round(0, "TRTLLM_MLA@flashmla", "FLASH_ATTN_MLA",
+                           {"TRTLLM_MLA@flashmla": 9.9, "FLASH_ATTN_MLA": 10.0}, 160)
+    (point,) = summarize_engine.paired_points([forced])
+    assert point.ratios == pytest.approx((0.99,)) and point.plugin_first == (True,)
+    assert point.other == "FLASH_ATTN_MLA (TRTLLM_MLA@flashmla over it)"
+    ab = _paired_round(0, "TRTLLM_MLA", "TRTLLM_MLA@vllm-fa3-mla",
+                       {"TRTLLM_MLA": 10.0, "TRTLLM_MLA@vllm-fa3-mla": 10.5}, 128)
+    (point,) = summarize_engine.paired_points([ab])
+    assert point.ratios == pytest.approx((1.05,)) and point.plugin_first == (False,)
+    assert point.other == "TRTLLM_MLA (TRTLLM_MLA@vllm-fa3-mla over it)"
+
+
 def test_paired_table_reads_the_csv_bench_engine_writes(tmp_path, capsys):
     """bench_engine.write_csv -> summarize_engine.main: the columns it needs survive."""
     rows = []

@@ -240,8 +240,9 @@ VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES = False
 # b160, MTP 2, two paired rounds 0.913 and 0.905; run 217) and on FA3 forced at 1.000x (run
 # 218). The gap was the join of vLLM's two query parts, which FA3 reads apart and FlashMLA
 # needs whole: torch.cat took 152 us a layer (run 220), the fused join the decoder now uses
-# 40 us, which leaves FlashMLA at about FA3's speed there (expected, not yet run in the
-# engine; docs/benchmarks-history.md, "The query join").
+# 40 us, which leaves FlashMLA at FA3's speed there: 1.000 and 0.994 (run 221; the
+# criterion for moving back was >= 1.02 in every round; docs/benchmarks-history.md, "The
+# query join").
 #: The plugin's CUDA split-KV kernel (route cuda-splitk) goes first for 16-bit caches with
 #: at least SPLITK_MIN_REQUEST_ROWS and at most this many query rows per request (heads x
 #: query tokens: one 16-row mma tile, no padding; 32 rows run two row groups and lost to

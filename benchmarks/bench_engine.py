@@ -309,9 +309,16 @@ def make_prompts(args: argparse.Namespace, batch: int) -> list:
             for i, n in enumerate(lens)]
 
 
+def split_backend(name: str) -> tuple[str, str]:
+    """A ``--backends`` name: ``TRTLLM_MLA@ROUTE`` -> (``TRTLLM_MLA``, ``ROUTE``), a plain
+    backend -> (it, ``""``)."""
+    backend, _, route = name.partition("@")
+    return backend, route
+
+
 def set_route(backend_arg: str) -> tuple[str, str]:
     """``TRTLLM_MLA@ROUTE`` -> (``TRTLLM_MLA``, ``ROUTE``), forcing the route by env var."""
-    backend, _, route = backend_arg.partition("@")
+    backend, route = split_backend(backend_arg)
     if route:
         from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
 
@@ -414,7 +421,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.cuda.empty_cache()
     q_len = 1 + draft_tokens(args)
     for row in rows:
-        backend, _, route = row["backend"].partition("@")
+        backend, route = split_backend(row["backend"])
         if backend == "TRTLLM_MLA":
             lens = attention_lens(args, int(row["batch"]))
             try:

@@ -33,6 +33,10 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import split_backend
 
 PLUGIN = "TRTLLM_MLA"
 #: Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; 1.96 beyond.
@@ -106,9 +110,9 @@ def plugin_index(names: list[str]) -> int | None:
     """Which of a round's two backends is the plugin: ``TRTLLM_MLA`` or
     ``TRTLLM_MLA@ROUTE`` (a route forced); of two plugin engines, the one with a route
     forced (compared with the plugin's own choice); ``None`` if neither or undecided."""
-    mine = [i for i, n in enumerate(names) if n.split("@")[0] == PLUGIN]
+    mine = [i for i, n in enumerate(names) if split_backend(n)[0] == PLUGIN]
     if len(mine) == 2:
-        mine = [i for i in mine if "@" in names[i]]
+        mine = [i for i in mine if split_backend(names[i])[1]]
     return mine[0] if len(mine) == 1 else None
 
 

@@ -1067,6 +1067,8 @@ def test_graph_routes_ab_rotates_the_order_and_scores_by_median(monkeypatch, tmp
     assert ab.score(medians, "flashmla") == pytest.approx(12 / 10)
     assert ab.score(medians, "cuda-splitk") == pytest.approx(12 / 8)
     assert ab.score({"flashmla": 1.0}, "flashmla") is None
+    # pages of 32 tokens: vLLM's FLASHMLA absent, its FA3 call the only one
+    assert ab.score({"plugin": 10.0, ab.PEERS[1]: 12.0}, "plugin") == pytest.approx(1.2)
     results = [(40, medians), (100, {**medians, "cuda-splitk": 24.0})]
     out = tmp_path / "ab.csv"
     with open(out, "w") as f:

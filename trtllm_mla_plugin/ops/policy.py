@@ -213,8 +213,10 @@ VLLM_FA3_LENGTH_ORDER_MIN_BATCH = 33
 #: on FlashMLA score, against vLLM's FA3 call, 0.962 -> 1.008 on geomean on FA3 longest
 #: first (50 shapes of runs 155-184, worst 0.743 -> 0.936, under 0.95 18 -> 1) and 0.950
 #: -> 1.000 on shapes not used to pick the bound (37 of runs 145-156 and 205-214, worst
-#: 0.705 -> 0.898, 17 -> 1). A model of measured parts; the engine has not run such a
-#: batch (docs/benchmarks-history.md, "The query join"). Requests of at most 32 query rows (one
+#: 0.705 -> 0.898, 17 -> 1). A model of measured parts, then timed as the decoder on 192
+#: fresh such shapes with vLLM's query parts (run 222): 1.014 of the faster of vLLM's calls,
+#: 1.084 over FlashMLA forced; the engine has not run such a batch (docs/benchmarks-history.md,
+#: "The query join", "The decoder in alternation"). Requests of at most 32 query rows (one
 #: query tile, at most half filled) had gone there up to 1024 requests since the
 #: thirty-fifth session: fit on runs 155, 156, 158, 164 (12 such shapes of 257-1024
 #: requests, replayed from the route's forced rows: 8 faster, the four worst 0.84-0.94 ->
@@ -262,7 +264,10 @@ SPLITK_MIN_BATCH = 48
 #: fresh shapes (seeds 89-96 and the grid): 0.999 against 0.958, better in every range of
 #: batch sizes (33-40: 0.966 against FlashMLA's 0.926, 81-95: 1.053 against 0.979) and at
 #: the worst shape (0.655 against 0.609). Short contexts lose either way (0.65-0.8; vLLM's
-#: FA3 kernel is faster there), which a graph cannot see.
+#: FA3 kernel is faster there), which a graph cannot see. Against vLLM's FA3 kernel longest
+#: first with the engine's query parts (run 225, 50 fresh 16-row shapes) the kernel lost on
+#: geomean (1.004 against 1.026), but in the engine (run 226, h16 b128, prompts of 1-8k)
+#: the plugin with FA3 forced decoded at 0.820 of the plugin on this kernel: it stays.
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
 #: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at

@@ -389,3 +389,33 @@ def test_staged_query_offsets_write_uniform_offsets_once(monkeypatch):
         assert len(muls) - before == computed
         ptrs.add(cu.data_ptr())
     assert len(ptrs) == 1
+
+
+def test_host_arrays_reach_the_gpu_through_copy_from_host(monkeypatch):
+    """The FA3 route's per-step host arrays (the length order, its balanced splits) go
+    through ``copy_from_host`` (pinned memory on a GPU, so ``plan`` never waits for the
+    previous step's kernels), which writes them in the destination's dtype."""
+    import numpy as np
+
+    from trtllm_mla_plugin.ops.routes import vllm_fa3_mla
+    from trtllm_mla_plugin.ops.routes.base import copy_from_host
+
+    dst = torch.zeros(5, dtype=torch.int32)
+    copy_from_host(dst[1:4], np.array([7, 8, 9], dtype=np.int64))
+    assert dst.tolist() == [0, 7, 8, 9, 0]
+
+    calls = []
+
+    def recording(d, s):
+        calls.append(s.tolist())
+        copy_from_host(d, s)
+
+    monkeypatch.setattr(vllm_fa3_mla, "copy_from_host", recording)
+    order = vllm_fa3_mla.LengthOrder(4, torch.device("cpu"))
+    lens = torch.tensor([30, 500, 7], dtype=torch.int32)
+    batch = DecodeBatch(torch.arange(6, dtype=torch.int32).view(3, 2), lens, 500)
+    cu = torch.arange(4, dtype=torch.int32)
+    order.stage(batch, batch.block_table, lens, cu, lens.numpy())
+    assert calls == [[1, 0, 2]]
+    assert order.seq_lens.tolist() == [500, 30, 7]
+    assert order.block_table.tolist() == [[2, 3], [0, 1], [4, 5]]

@@ -12,6 +12,7 @@ import importlib.util
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..platform import Platform
@@ -37,6 +38,19 @@ def check_unit_scales(spec: DecodeSpec, scales: KVScales) -> None:
         raise ValueError(
             f"KV scales apply to FP8 caches only; pass UNIT_SCALES with a {spec.kv_dtype} cache"
         )
+
+
+def copy_from_host(dst: torch.Tensor, src: np.ndarray) -> None:
+    """Copy the host array ``src`` into ``dst`` (same shape) without waiting for
+    the GPU's earlier work: on a GPU through pinned memory from PyTorch's caching host
+    allocator, which holds the block until the copy has run. Why: an asynchronous copy
+    from pageable memory may synchronise with the stream (CUDA's "API synchronization
+    behavior"), and a ``plan`` that waits for the previous step's kernels leaves the GPU
+    idle while the host prepares the next one."""
+    host = torch.from_numpy(src).to(dst.dtype)
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=True)
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -55,6 +55,7 @@ from .base import (
     StagedQueryOffsets,
     StagedTables,
     check_unit_scales,
+    copy_from_host,
     module_available,
     round_up,
 )
@@ -175,7 +176,7 @@ class LengthOrder:
         if lens_host is not None and batch.uniform_q_len and b > 1:
             order = np.argsort(-lens_host, kind="stable")
             self.lens_host = lens_host[order]
-            self._perm[:b].copy_(torch.from_numpy(order), non_blocking=True)
+            copy_from_host(self._perm[:b], order)
         else:
             self.lens_host = lens_host
             torch.arange(b, out=self._perm[:b])
@@ -298,8 +299,7 @@ class VllmFA3MLARoute(DecodeRoute):
             # FA3's metadata: each request's query rows, then its splits (what the kernel and
             # FA3's combine read), each vector padded to a multiple of 4 requests.
             offset = fa3_splits_offset(b)
-            self._scheduler[offset: offset + b].copy_(torch.from_numpy(splits),
-                                                      non_blocking=True)
+            copy_from_host(self._scheduler[offset: offset + b], splits)
         self._batch = batch
 
     def _balanced_splits(self, batch: DecodeBatch,

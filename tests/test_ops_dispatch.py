@@ -419,3 +419,22 @@ def test_host_arrays_reach_the_gpu_through_copy_from_host(monkeypatch):
     assert calls == [[1, 0, 2]]
     assert order.seq_lens.tolist() == [500, 30, 7]
     assert order.block_table.tolist() == [[2, 3], [0, 1], [4, 5]]
+
+
+def test_flashinfer_csr_reaches_the_gpu_through_to_device(monkeypatch):
+    """FlashInfer routes' page list takes its host sizes to the device with ``to_device``
+    (pinned on a GPU), so an eager plan does not wait for the previous step's kernels."""
+    from trtllm_mla_plugin.ops.routes import base, flashinfer_mla
+
+    moved = []
+
+    def recording(host, device):
+        moved.append(host.tolist())
+        return base.to_device(host, device)
+
+    monkeypatch.setattr(flashinfer_mla, "to_device", recording)
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    kv_indptr, kv_indices = flashinfer_mla.paged_csr(
+        table, torch.tensor([65, 1, 130], dtype=torch.int32), 64)
+    assert moved == [[2, 1, 3], [0, 2, 3]]
+    assert kv_indptr.tolist() == [0, 2, 3, 6] and kv_indices.tolist() == [0, 1, 4, 8, 9, 10]

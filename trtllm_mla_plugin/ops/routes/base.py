@@ -40,13 +40,21 @@ def check_unit_scales(spec: DecodeSpec, scales: KVScales) -> None:
         )
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The CPU tensor ``host`` on ``device``, without waiting for the GPU's earlier work: on
+    a GPU through pinned memory from PyTorch's caching host allocator, which holds the
+    block until the copy has run. Why: an asynchronous copy from pageable memory may
+    synchronise with the stream (CUDA's "API synchronization behavior"), and a ``plan``
+    that waits for the previous step's kernels leaves the GPU idle while the host prepares
+    the next one."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def copy_from_host(dst: torch.Tensor, src: np.ndarray) -> None:
-    """Copy the host array ``src`` into ``dst`` (same shape) without waiting for
-    the GPU's earlier work: on a GPU through pinned memory from PyTorch's caching host
-    allocator, which holds the block until the copy has run. Why: an asynchronous copy
-    from pageable memory may synchronise with the stream (CUDA's "API synchronization
-    behavior"), and a ``plan`` that waits for the previous step's kernels leaves the GPU
-    idle while the host prepares the next one."""
+    """Copy the host array ``src`` into ``dst`` (same shape; ``dst``'s dtype) as
+    ``to_device`` does, without waiting for the GPU."""
     host = torch.from_numpy(src).to(dst.dtype)
     if dst.is_cuda:
         host = host.pin_memory()

@@ -43,7 +43,7 @@ import torch
 
 from ..platform import Platform
 from ..spec import DecodeBatch, DecodeSpec, KVScales
-from .base import DecodeRoute, check_unit_scales, module_available
+from .base import DecodeRoute, check_unit_scales, module_available, to_device
 from .trtllm_gen import workspace_for
 
 _FP8_DIMS = ((512, 64), (512, 0))
@@ -126,10 +126,10 @@ def paged_csr(
     device = block_table.device
     # Sizes come from the host, so no step here waits for the GPU.
     rows = torch.repeat_interleave(
-        torch.arange(pages.numel(), device=device), pages.to(device, non_blocking=True),
+        torch.arange(pages.numel(), device=device), to_device(pages, device),
         output_size=total,
     )
-    starts = kv_indptr[:-1].to(device, non_blocking=True)
+    starts = to_device(kv_indptr[:-1], device)
     cols = torch.arange(total, device=device) - starts[rows]
     kv_indices = block_table[rows, cols].to(torch.int32)
     return kv_indptr.to(torch.int32), kv_indices
@@ -284,7 +284,7 @@ class _FlashInferFARoute(DecodeRoute):
         if reorder:
             perm = torch.argsort(seq_lens, descending=True, stable=True)
             seq_lens = seq_lens[perm]
-            perm = perm.to(self.device, non_blocking=True)
+            perm = to_device(perm, self.device)
             block_table = block_table[perm]
             self._record_permutation(batch, perm)
         kv_indptr, kv_indices = paged_csr(block_table, seq_lens, self.spec.block_size)

@@ -438,3 +438,15 @@ def test_flashinfer_csr_reaches_the_gpu_through_to_device(monkeypatch):
         table, torch.tensor([65, 1, 130], dtype=torch.int32), 64)
     assert moved == [[2, 1, 3], [0, 2, 3]]
     assert kv_indptr.tolist() == [0, 2, 3, 6] and kv_indices.tolist() == [0, 1, 4, 8, 9, 10]
+
+
+def test_host_copies_fall_back_where_pinning_fails(monkeypatch):
+    """Where pinned memory is unavailable the copy still happens (pageable)."""
+    from trtllm_mla_plugin.ops.routes import base
+
+    def refuse(self):
+        raise RuntimeError("pinned memory unavailable")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    host = torch.tensor([3, 4])
+    assert base.pinned(host) is host

@@ -48,7 +48,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     that waits for the previous step's kernels leaves the GPU idle while the host prepares
     the next one."""
     if device.type == "cuda":
-        host = host.pin_memory()
+        host = pinned(host)
     return host.to(device, non_blocking=True)
 
 
@@ -57,8 +57,17 @@ def copy_from_host(dst: torch.Tensor, src: np.ndarray) -> None:
     ``to_device`` does, without waiting for the GPU."""
     host = torch.from_numpy(src).to(dst.dtype)
     if dst.is_cuda:
-        host = host.pin_memory()
+        host = pinned(host)
     dst.copy_(host, non_blocking=True)
+
+
+def pinned(host: torch.Tensor) -> torch.Tensor:
+    """``host`` in pinned memory, or as it is where pinning is unavailable (vLLM turns it
+    off under WSL): the copy then still runs, only perhaps waiting for the stream."""
+    try:
+        return host.pin_memory()
+    except RuntimeError:
+        return host
 
 
 def round_up(value: int, multiple: int) -> int:

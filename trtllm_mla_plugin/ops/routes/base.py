@@ -62,8 +62,9 @@ def copy_from_host(dst: torch.Tensor, src: np.ndarray) -> None:
 
 
 def pinned(host: torch.Tensor) -> torch.Tensor:
-    """``host`` in pinned memory, or as it is where pinning is unavailable (vLLM turns it
-    off under WSL): the copy then still runs, only perhaps waiting for the stream."""
+    """``host`` in pinned memory, or as it is where pinning fails (vLLM turns it off under
+    WSL2 kernels before 4.19.121): the copy then still runs, only perhaps waiting for the
+    stream."""
     try:
         return host.pin_memory()
     except RuntimeError:

@@ -51,8 +51,9 @@ power cap limiting the clock): ``nvidia-smi`` sampled over the timed ``generate(
 repeats (``gpu_clocks``), empty without it.
 ``tokens_per_s`` / ``tpot_ms`` are the whole ``generate(1 + N)`` (recompute step
 included), as in run 13. The attention share is the plugin decoder's own time for one
-layer at that batch (``ops.MLADecoder`` on the same lengths, CUDA-graph timed) x layers /
-decode step, for TRTLLM_MLA rows.
+layer at that batch (``ops.MLADecoder`` on the same lengths and a 16-bit query in vLLM's
+two parts, CUDA-graph timed; one 576-wide query until the forty-seventh session) x layers
+/ decode step, for TRTLLM_MLA rows.
 
 ``--core-steps`` (engines log stats) adds a second estimate that leaves the recompute step
 and each call's request setup out instead of differencing them away: vLLM's engine-core
@@ -164,13 +165,15 @@ def layer_decoder(heads: int, kv: str, lens: list[int], route: str | None = None
 def attention_layer_us(heads: int, kv: str, lens: list[int], route: str | None = None,
                        block: int = 64, eager: bool = False,
                        q_len: int = 1) -> tuple[str, float]:
-    """The plugin's decode of one layer for ``lens`` (``layer_decoder``, one 576-wide
-    query), kernels only (no ``plan``): graph-timed as under CUDA graphs; ``eager``: timed
-    launch by launch, as an ``enforce_eager`` engine runs it."""
+    """The plugin's decode of one layer for ``lens`` (``layer_decoder`` with the query as
+    the engine hands it over: a 16-bit one in vLLM's two parts, so a route that reads it
+    whole pays the join), kernels only (no ``plan``): graph-timed as under CUDA graphs;
+    ``eager``: timed launch by launch, as an ``enforce_eager`` engine runs it."""
     import torch
     import triton.testing
 
-    dec, query, cache = layer_decoder(heads, kv, lens, route, block, eager, q_len)
+    dec, query, cache = layer_decoder(heads, kv, lens, route, block, eager, q_len,
+                                      query_parts=True)
     if eager:  # launched one by one, as the engine does
         ms = triton.testing.do_bench(lambda: dec.run(query, cache), warmup=10, rep=60,
                                      return_mode="median")

@@ -1025,6 +1025,48 @@ def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
     assert (plan.tiles.data_ptr(), plan.splits.data_ptr()) == addresses
 
 
+def test_engine_attention_share_times_the_query_as_the_engine_hands_it(monkeypatch):
+    """``bench_engine``'s attention share times the plugin's layer on vLLM's two query
+    parts (a route that reads the query whole pays the join there, as in the engine)."""
+    seen = {}
+
+    class Planned(Exception):
+        pass
+
+    def layer_decoder(*args, **kwargs):
+        seen.update(kwargs)
+        raise Planned
+
+    monkeypatch.setattr(bench_engine, "layer_decoder", layer_decoder)
+    with pytest.raises(Planned):
+        bench_engine.attention_layer_us(16, "auto", [300, 900], "cuda-splitk")
+    assert seen.get("query_parts") is True
+
+
+def test_pageable_host_copies_take_routes_back_to_pageable_memory(monkeypatch):
+    """``bench_plan_host``'s ``:pageable`` rows: inside ``pageable_host_copies`` a route's
+    host-to-device copy skips pinning (what every copy did before the forty-sixth session),
+    and pins again after it (a spy stands in for pinning; the copy's target claims to be on
+    a GPU so that ``copy_from_host`` would pin it)."""
+    import types
+
+    import bench_plan_host
+    import numpy as np
+
+    from trtllm_mla_plugin.ops.routes import base
+
+    pinned = []
+    monkeypatch.setattr(base, "pinned", lambda host: pinned.append(host) or host)
+    copied = []
+    dst = types.SimpleNamespace(dtype=torch.int64, is_cuda=True,
+                                copy_=lambda host, non_blocking: copied.append(host))
+    with bench_plan_host.pageable_host_copies():
+        base.copy_from_host(dst, np.arange(4))
+    assert not pinned and copied[-1].tolist() == [0, 1, 2, 3]
+    base.copy_from_host(dst, np.arange(3))
+    assert len(pinned) == 1 and pinned[0] is copied[-1]
+
+
 def test_random_set_filters_keep_the_draws_own_case_seeds():
     """``--random-request-rows`` / ``--random-batches`` / ``--random-rows``: a filtered set is
     the part of the whole draw inside the ranges, each shape with the case seed it has

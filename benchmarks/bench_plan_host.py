@@ -146,7 +146,7 @@ def pageable_host_copies():
     """Within it, routes copy host arrays to the GPU from pageable memory (``routes.base``'s
     ``pinned`` returns its argument), as they did before those copies were pinned."""
     original = route_base.pinned
-    route_base.pinned = lambda host: host
+    route_base.pinned = lambda host, device: host
     try:
         yield
     finally:

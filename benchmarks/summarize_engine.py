@@ -33,10 +33,8 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import split_backend
+from bench_engine import split_backend  # this folder is on sys.path when a file of it runs
 
 PLUGIN = "TRTLLM_MLA"
 #: Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; 1.96 beyond.

@@ -1056,9 +1056,9 @@ def test_pageable_host_copies_take_routes_back_to_pageable_memory(monkeypatch):
     from trtllm_mla_plugin.ops.routes import base
 
     pinned = []
-    monkeypatch.setattr(base, "pinned", lambda host: pinned.append(host) or host)
+    monkeypatch.setattr(base, "pinned", lambda host, device: pinned.append(host) or host)
     copied = []
-    dst = types.SimpleNamespace(dtype=torch.int64, is_cuda=True,
+    dst = types.SimpleNamespace(dtype=torch.int64, device=types.SimpleNamespace(type="cuda"),
                                 copy_=lambda host, non_blocking: copied.append(host))
     with bench_plan_host.pageable_host_copies():
         base.copy_from_host(dst, np.arange(4))

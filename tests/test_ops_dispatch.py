@@ -449,4 +449,4 @@ def test_host_copies_fall_back_where_pinning_fails(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
     host = torch.tensor([3, 4])
-    assert base.pinned(host) is host
+    assert base.pinned(host, torch.device("cuda")) is host

@@ -47,24 +47,21 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     synchronise with the stream (CUDA's "API synchronization behavior"), and a ``plan``
     that waits for the previous step's kernels leaves the GPU idle while the host prepares
     the next one."""
-    if device.type == "cuda":
-        host = pinned(host)
-    return host.to(device, non_blocking=True)
+    return pinned(host, device).to(device, non_blocking=True)
 
 
 def copy_from_host(dst: torch.Tensor, src: np.ndarray) -> None:
     """Copy the host array ``src`` into ``dst`` (same shape; ``dst``'s dtype) as
     ``to_device`` does, without waiting for the GPU."""
-    host = torch.from_numpy(src).to(dst.dtype)
-    if dst.is_cuda:
-        host = pinned(host)
-    dst.copy_(host, non_blocking=True)
+    dst.copy_(pinned(torch.from_numpy(src).to(dst.dtype), dst.device), non_blocking=True)
 
 
-def pinned(host: torch.Tensor) -> torch.Tensor:
-    """``host`` in pinned memory, or as it is where pinning fails (vLLM turns it off under
-    WSL2 kernels before 4.19.121): the copy then still runs, only perhaps waiting for the
-    stream."""
+def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` in pinned memory for a copy to ``device`` where that is a GPU, else as it
+    is; also as it is where pinning fails (vLLM turns it off under WSL2 kernels before
+    4.19.121): the copy then still runs, only perhaps waiting for the stream."""
+    if device.type != "cuda":
+        return host
     try:
         return host.pin_memory()
     except RuntimeError:

@@ -1674,3 +1674,39 @@ def test_query_concat_bench_joins_equal_torch_cat_on_the_engines_parts():
     assert {"torch.cat", "two_copies"} <= set(ways)
     for name, join in ways.items():
         assert torch.equal(join(), query), name
+
+
+@pytest.mark.parametrize("suffix", ["", ":pageable"])
+def test_profile_engine_pageable_backend_runs_on_pageable_copies(monkeypatch, suffix):
+    """``profile_engine_step --backends TRTLLM_MLA@vllm-fa3-mla:pageable``: the engine is
+    built and run with ``routes.base.pinned`` swapped out (its copies from pageable memory)
+    and the route forced without the suffix; a plain name keeps pinning. The engine is a
+    stand-in that records the state when it is built, then stops the worker."""
+    pytest.importorskip("vllm")
+    from trtllm_mla_plugin.ops.routes import base
+    from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
+
+    for var in ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "VLLM_CUSTOM_SCOPES_FOR_PROFILING", ROUTE_ENV_VAR):
+        monkeypatch.setenv(var, "")
+    original = base.pinned
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def make_llm(args, backend, *a, **k):
+        seen.update(backend=backend, route=os.environ[ROUTE_ENV_VAR],
+                    pinning=base.pinned is original)
+        raise Built
+
+    monkeypatch.setattr(profile_engine_step, "wrap_scopes", lambda: None)
+    monkeypatch.setattr(bench_engine, "make_llm", make_llm)
+    args = argparse.Namespace(backend=f"TRTLLM_MLA@vllm-fa3-mla{suffix}", steps=32, batch=8,
+                              gpu_memory=None)
+    with pytest.raises(Built):
+        profile_engine_step.worker(args)
+    assert seen == dict(backend="TRTLLM_MLA", route="vllm-fa3-mla", pinning=not suffix)
+    assert base.pinned is original
+    tag = profile_engine_step.file_tag(args.backend)
+    assert tag == "TRTLLM_MLA-vllm-fa3-mla" + ("-pageable" if suffix else "")

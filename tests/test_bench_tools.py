@@ -1,9 +1,10 @@
 """The benchmarks' bookkeeping, on the CPU: the decode-step summary of a profiler trace
 (``profile_engine_step.summarize``), the per-round backend order of ``bench_engine`` and the
 alternating plugin / FLASHMLA FP8 timing of ``bench_decode --paired``, the paired
-engine ratios of ``summarize_engine``, how the FlashMLA peer is timed and scored, and the
-random sets' filters and ``graph_routes_ab``'s alternation, the GPU clock sampler
-(``gpu_clocks``, against a stand-in ``nvidia-smi``) and ``sustained_decode``'s summary."""
+engine ratios of ``summarize_engine``, how the FlashMLA peer is timed and scored, the
+random sets' filters and ``graph_routes_ab``'s alternation, the 16-row band's bound replay
+(``band16_bound_replay``), the GPU clock sampler (``gpu_clocks``, against a stand-in
+``nvidia-smi``) and ``sustained_decode``'s summary."""
 
 from __future__ import annotations
 
@@ -1710,3 +1711,44 @@ def test_profile_engine_pageable_backend_runs_on_pageable_copies(monkeypatch, su
     assert base.pinned is original
     tag = profile_engine_step.file_tag(args.backend)
     assert tag == "TRTLLM_MLA-vllm-fa3-mla" + ("-pageable" if suffix else "")
+
+
+def test_band16_bound_replay_moves_only_the_band_below_the_bound(tmp_path, capsys):
+    """``band16_bound_replay``: from a graph_routes_ab file (``plugin`` / ``median_us``) and
+    a bench_decode file (``plugin-graph[cuda-splitk]`` / ``us``), each band shape scores
+    the faster vLLM call over cuda-splitk, or over FA3 below the bound where it has more
+    than 8 rows a request; shapes outside the band (32 rows, 20 requests) are left out."""
+    import band16_bound_replay as replay
+
+    ab = tmp_path / "ab.csv"
+    ab.write_text("shape,batch,kernel,rounds_us,median_us,rel_diff\n" + "".join(
+        f"{shape},0,{kernel},x,{us},0\n" for shape, times in {
+            "h16 b40 500 u q1 bf16 p64": (30, 20, 20, 35),
+            "h16 b200 4000 u q1 bf16 p64": (100, 110, 110, 120),
+            "h8 b40 500 u q1 bf16 p64": (25, 20, 20, 40),
+            "h32 b40 500 u q1 bf16 p64": (50, 20, 20, 40),
+            "h16 b20 500 u q1 bf16 p64": (30, 20, 20, 40),
+        }.items() for kernel, us in zip(
+            ("plugin", "vllm-fa3-mla", "peer:vllm-fa3-mla", "peer:vllm-flashmla"), times,
+            strict=True)))
+    bench = tmp_path / "bench.csv"
+    bench.write_text("pass_no,shape,kernel,us,status\n" + "".join(
+        f"1,h16 b50 1000 r0.5 q1 bf16 p64,{kernel},{us},ok\n" for kernel, us in (
+            ("plugin-graph[cuda-splitk]", 40), ("vllm-fa3-mla", 32),
+            ("peer:vllm-fa3-mla", 32), ("peer:vllm-flashmla", 45))))
+    ratios = replay.band_ratios([str(ab), str(bench)])
+    assert sorted(ratios) == ["h16 b200 4000 u q1 bf16 p64", "h16 b40 500 u q1 bf16 p64",
+                              "h16 b50 1000 r0.5 q1 bf16 p64", "h8 b40 500 u q1 bf16 p64"]
+    order = sorted(ratios)
+    scored = {s: replay.with_bound({s: ratios[s]}, 97)[0] for s in order}
+    assert scored == pytest.approx({"h16 b200 4000 u q1 bf16 p64": 1.1,
+                                    "h16 b40 500 u q1 bf16 p64": 1.0,
+                                    "h16 b50 1000 r0.5 q1 bf16 p64": 1.0,
+                                    "h8 b40 500 u q1 bf16 p64": 0.8})
+    assert sorted(replay.with_bound(ratios, 0)) == pytest.approx([20 / 30, 0.8, 0.8, 1.1])
+    assert sorted(replay.with_bound(ratios, 97, eight_rows=True)) == pytest.approx(
+        [1.0, 1.0, 1.0, 1.1])
+    replay.main("--bounds", "97", f"g={ab},{bench}")
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("FA3 below   97: g: 4 shapes") and "under 1" in line
+    assert f"{math.exp((math.log(1.1) + math.log(0.8)) / 4):.3f} worst 0.800" in line

@@ -19,7 +19,8 @@ Files, each shape's times the median over the files that timed it:
   ``plugin-graph[cuda-splitk]`` for ``cuda-splitk`` and the forced ``vllm-fa3-mla`` row
   (``evaluate_policy.timed_rows``: first-pass rows that timed ``ok``);
 * graph_routes_ab.py output (``median_us``): the ``plugin`` row (the decoder, on
-  ``cuda-splitk`` for every shape of the band) and ``vllm-fa3-mla``.
+  ``cuda-splitk`` for every shape of the band), else the forced ``cuda-splitk`` row, and
+  ``vllm-fa3-mla``.
 
 Shapes without both rows, or outside the band, are left out.
 """
@@ -36,7 +37,8 @@ from evaluate_policy import GRAPH_ROW, summary, timed_rows
 
 from trtllm_mla_plugin.ops import policy
 
-SPLITK_ROWS = (f"{GRAPH_ROW}[cuda-splitk]", "plugin")
+#: Rows that time cuda-splitk in the band: the decoder (preferred), else the route forced.
+SPLITK_ROWS = (f"{GRAPH_ROW}[cuda-splitk]", "plugin", "cuda-splitk")
 FA3_ROW = "vllm-fa3-mla"
 
 

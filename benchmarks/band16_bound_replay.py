@@ -17,7 +17,9 @@ Files, each shape's times the median over the files that timed it:
 
 * bench_decode.py output (``us`` column): the CUDA-graph decoder's row
   ``plugin-graph[cuda-splitk]`` for ``cuda-splitk`` and the forced ``vllm-fa3-mla`` row
-  (``evaluate_policy.timed_rows``: first-pass rows that timed ``ok``);
+  (``evaluate_policy.timed_rows``: first-pass rows that timed ``ok``; where a shape has no
+  ``vllm-fa3-mla`` row it stands in vLLM's own call, ``peer:vllm-fa3-mla``, which launches
+  in the caller's order);
 * graph_routes_ab.py output (``median_us``): the ``plugin`` row (the decoder, on
   ``cuda-splitk`` for every shape of the band), else the forced ``cuda-splitk`` row, and
   ``vllm-fa3-mla``.

@@ -1,17 +1,18 @@
 """The CUDA-graph band of ``cuda-splitk`` with its smaller batches on vLLM's FA3 kernel,
 scored on measured rows without a GPU.
 
-``python benchmarks/band16_bound_replay.py [--bounds 0,48,64,96] [--with-8-rows] FILE.csv ...``
+``python benchmarks/band16_bound_replay.py [--bounds 0,48,64,96] [--with-8-rows]
+[GROUP=]FILE.csv[,FILE.csv ...] ...`` (each argument one group of files, named ``GROUP``)
 
 Under CUDA graphs ``ops.policy`` gives ``cuda-splitk`` every batch of
 ``SPLITK_MIN_REQUEST_ROWS``-``SPLITK_MAX_REQUEST_ROWS`` query rows a request (8-16) from
 ``SPLITK_GRAPH_MIN_BATCH`` to ``SPLITK_MAX_BATCH`` requests. The candidate replayed here
 gives the batches of more than 8 rows below a bound to the ``vllm-fa3-mla`` route instead
 (longest first, as it launches batches of that size); ``--with-8-rows`` moves the 8-row
-batches too. Per bound it prints, for each file group and for all shapes together, the
-geometric mean and the worst of the faster of vLLM's two calls (``peer:`` rows) over the
-time of the route the bound picks, and how many shapes are under 0.95 (bound 0: today's
-rule).
+batches too. Per bound it prints, for each group and for all groups together (a shape
+in two groups counts twice there: its two measurements), the geometric mean and the worst
+of the faster of vLLM's two calls (``peer:`` rows) over the time of the route the bound
+picks, and how many shapes are under 0.95 (bound 0: today's rule).
 
 Files, each shape's times the median over the files that timed it:
 

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import re
 import statistics
 from collections import defaultdict
 
+from bench_decode import parse_shape_name
 from evaluate_policy import GRAPH_ROW, summary, timed_rows
 
 from trtllm_mla_plugin.ops import policy
@@ -45,21 +45,16 @@ SPLITK_ROWS = (f"{GRAPH_ROW}[cuda-splitk]", "plugin", "cuda-splitk")
 FA3_ROW = "vllm-fa3-mla"
 
 
-def shape_rows_and_batch(shape: str) -> tuple[int, int]:
+def band_rows_and_batch(shape: str) -> tuple[int, int] | None:
     """``(query rows a request, requests)`` of a shape name such as
-    ``h16 b56 467 r0.22 q1 bf16 p64``."""
-    heads = int(re.match(r"h(\d+) ", shape).group(1))
-    batch = int(re.search(r" b(\d+) ", shape).group(1))
-    q_len = int(re.search(r" q(\d+) ", shape).group(1))
-    return heads * q_len, batch
-
-
-def in_band(shape: str) -> bool:
-    """Whether the CUDA-graph rule gives this bf16 shape to ``cuda-splitk``."""
-    rows, batch = shape_rows_and_batch(shape)
-    return (" bf16 " in shape
-            and policy.SPLITK_MIN_REQUEST_ROWS <= rows <= policy.SPLITK_MAX_REQUEST_ROWS
-            and policy.SPLITK_GRAPH_MIN_BATCH <= batch <= policy.SPLITK_MAX_BATCH)
+    ``h16 b56 467 r0.22 q1 bf16 p64`` if the CUDA-graph rule gives that bf16 shape to
+    ``cuda-splitk``, else ``None``."""
+    heads, batch, _ctx, _kind, q_len, kv, _block = parse_shape_name(shape)
+    rows = heads * q_len
+    if (kv == "bf16" and policy.SPLITK_MIN_REQUEST_ROWS <= rows <= policy.SPLITK_MAX_REQUEST_ROWS
+            and policy.SPLITK_GRAPH_MIN_BATCH <= batch <= policy.SPLITK_MAX_BATCH):
+        return rows, batch
+    return None
 
 
 def file_times(path: str) -> dict[str, dict[str, float]]:
@@ -87,12 +82,13 @@ def band_ratios(paths: list[str]) -> dict[str, tuple[int, int, float, float]]:
                 merged[shape][name].append(us)
     out = {}
     for shape, ks in merged.items():
+        place = band_rows_and_batch(shape)
         splitk = next((n for n in SPLITK_ROWS if n in ks), None)
         peers = [statistics.median(v) for n, v in ks.items() if n.startswith("peer:")]
-        if not in_band(shape) or splitk is None or FA3_ROW not in ks or not peers:
+        if place is None or splitk is None or FA3_ROW not in ks or not peers:
             continue
         best = min(peers)
-        out[shape] = (*shape_rows_and_batch(shape), best / statistics.median(ks[splitk]),
+        out[shape] = (*place, best / statistics.median(ks[splitk]),
                       best / statistics.median(ks[FA3_ROW]))
     return out
 

@@ -8,13 +8,10 @@ step) before each ``plan``; a route that synchronises then takes about that long
 Usage (GPU machine, FlashInfer and vLLM's FlashMLA importable)::
 
     python benchmarks/bench_plan_host.py --out DIR [--batches 1,8,32,64,128,256]
-        [--routes vllm-fa3-mla,vllm-fa3-mla:pageable,peer:vllm-fa3-mla]
+        [--routes vllm-fa3-mla,peer:vllm-fa3-mla]
 
 Writes ``DIR/plan_host.csv`` (route, lengths given, batch, GPU state, host us per plan).
-Row ``vllm-fa3-mla:pageable``: the plugin's ``vllm-fa3-mla`` plan with its host-to-device
-copies (length order, KV splits) from pageable memory, as before the forty-sixth session
-(``pageable_host_copies``): beside the ``vllm-fa3-mla`` row it shows whether such a copy
-made the plan wait for the busy GPU. Row ``policy``: the decoder an engine builds (every
+Row ``policy``: the decoder an engine builds (every
 route its CUDA-graph ranking can pick, the route ranked per batch). Row
 ``peer:vllm-fa3-mla``: the per-step work of vLLM's own FLASH_ATTN_MLA builder under full
 CUDA graphs (``FlashAttnMLAMetadataBuilder._build_decode``: the longest query from the host
@@ -31,7 +28,6 @@ kernel writes those buffers itself.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import importlib
 import random
@@ -50,13 +46,11 @@ from decode_kernels import (  # this folder is on sys.path when a file of it run
 
 from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype, policy
 from trtllm_mla_plugin.ops.platform import platform_of
-from trtllm_mla_plugin.ops.routes import base as route_base
 
 #: (route, KV dtype, host lengths given)
 CASES = [("flashinfer-fa3", "bf16", True), ("flashinfer-fa3", "bf16", False),
          ("flashmla", "bf16", True), ("flashmla-fp8", "fp8", True),
-         ("vllm-fa3-mla", "bf16", True), ("vllm-fa3-mla:pageable", "bf16", True),
-         ("peer:vllm-fa3-mla", "bf16", True),
+         ("vllm-fa3-mla", "bf16", True), ("peer:vllm-fa3-mla", "bf16", True),
          ("peer:vllm-flashmla-fp8", "fp8", True), ("policy", "bf16", True)]
 #: Requests the ``policy`` decoder is built for (as an engine's ``max_num_seqs``): it holds
 #: every route its CUDA-graph ranking can pick and ranks each batch.
@@ -137,22 +131,6 @@ class VllmFlashMLAFP8BuilderPlan:
         self.splits[: splits.size(0)].copy_(splits)
 
 
-#: Suffix of a route whose host-to-device copies stay in pageable memory.
-PAGEABLE = ":pageable"
-
-
-@contextlib.contextmanager
-def pageable_host_copies():
-    """Within it, routes copy host arrays to the GPU from pageable memory (``routes.base``'s
-    ``pinned`` returns its argument), as they did before those copies were pinned."""
-    original = route_base.pinned
-    route_base.pinned = lambda host, device: host
-    try:
-        yield
-    finally:
-        route_base.pinned = original
-
-
 def host_us_per_plan(dec, batch: DecodeBatch, busy_us: int, reps: int) -> float:
     """Median host time of ``dec.plan(batch)`` (``dec``: an ``MLADecoder`` or a vLLM
     builder's stand-in), the GPU idle or kept busy ``busy_us`` before each. (Runs 17
@@ -188,8 +166,7 @@ def main() -> None:
     for route, kv, host in (c for c in CASES if c[0] in routes):
         kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
         spec = DecodeSpec(args.heads, 512, 64, 64, torch.bfloat16, kv_dtype, 1 / 192**0.5)
-        forced = (None if route == "policy" or route.startswith("peer:")
-                  else route.removesuffix(PAGEABLE))
+        forced = None if route == "policy" or route.startswith("peer:") else route
         spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), forced))
         for b in (int(x) for x in args.batches.split(",")):
             batch = batch_for(b, args.heads, random.Random(b), 8192 // 64, device)
@@ -204,9 +181,7 @@ def main() -> None:
             else:
                 dec = MLADecoder(spec, device, b, route=forced, cuda_graph=True)
             for busy in (0, args.busy_us):
-                with (pageable_host_copies() if route.endswith(PAGEABLE)
-                      else contextlib.nullcontext()):
-                    us = host_us_per_plan(dec, batch, busy, args.reps)
+                us = host_us_per_plan(dec, batch, busy, args.reps)
                 rows.append(dict(route=route, kv=kv, host_lengths=host, batch=b,
                                  gpu_busy_us=busy, host_us_per_plan=f"{us:.1f}"))
                 print(f"{route:>21} {kv:>4} host_lengths={host!s:>5} b={b:>4} "

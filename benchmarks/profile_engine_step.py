@@ -17,11 +17,6 @@ attention-metadata build, and the plugin's ``MLADecoder.plan``. After a prefill 
 ``generate(1 + short)``, as in bench_engine; the GPU's clock and power sampled meanwhile,
 ``gpu_clocks``) and once under ``torch.profiler``.
 
-A backend ``NAME:pageable`` (e.g. ``TRTLLM_MLA@vllm-fa3-mla:pageable``) runs the plugin with
-its routes' host-to-device copies from pageable memory, as before they were pinned
-(``bench_plan_host.pageable_host_copies``): beside ``NAME`` its runtime calls show whether
-such a copy waits for the GPU inside the engine's step.
-
 The trace is summarised per decode step (``summarize``; medians over steps where a scope
 runs once per step): each scope's host time, CUDA runtime calls (count and time: graph and
 kernel launches, copies, synchronisations), GPU busy time (the union of kernel, copy and
@@ -32,7 +27,6 @@ and ``DIR/trace-<tag>.json.gz`` (the Chrome trace), and prints a comparison.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import itertools
 import json
@@ -167,30 +161,15 @@ def summarize(trace: dict, top: int = 15, eager: bool = False) -> dict:
     )
 
 
-def engine_copies(name: str) -> tuple[str, contextlib.AbstractContextManager]:
-    """A ``--backends`` name -> (the name ``bench_engine`` takes, the context its engine runs
-    in). ``NAME:pageable`` (e.g. ``TRTLLM_MLA@vllm-fa3-mla:pageable``): the routes copy host
-    arrays to the GPU from pageable memory, as before the forty-sixth session
-    (``bench_plan_host.pageable_host_copies``; the engine core runs in this process, so the
-    swap reaches its plans)."""
-    from bench_plan_host import PAGEABLE, pageable_host_copies
-
-    if name.endswith(PAGEABLE):
-        return name.removesuffix(PAGEABLE), pageable_host_copies()
-    return name, contextlib.nullcontext()
-
-
 def worker(args: argparse.Namespace) -> None:
     """One engine: prefill, time, profile, summarise."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
-    name, copies = engine_copies(args.backend)
-    backend, _ = bench_engine.set_route(name)
+    backend, _ = bench_engine.set_route(args.backend)
     wrap_scopes()
     args.output_len = args.steps
-    with copies:
-        summary = profile_engine(args, backend)
+    summary = profile_engine(args, backend)
     Path(args.result).write_text(json.dumps(summary, indent=1))
     sys.stdout.flush()
     os._exit(0)  # engine teardown can hang after the results are out
@@ -258,9 +237,9 @@ def print_comparison(summaries: list[dict]) -> None:
 
 
 def file_tag(backend: str) -> str:
-    """``backend`` in a file name: ``TRTLLM_MLA@vllm-fa3-mla:pageable`` ->
-    ``TRTLLM_MLA-vllm-fa3-mla-pageable`` (the device tool brings back plain names only)."""
-    return backend.replace("@", "-").replace(":", "-")
+    """``backend`` in a file name: ``TRTLLM_MLA@vllm-fa3-mla`` -> ``TRTLLM_MLA-vllm-fa3-mla``
+    (the device tool brings back plain names only)."""
+    return backend.replace("@", "-")
 
 
 def main() -> None:

@@ -1044,30 +1044,6 @@ def test_engine_attention_share_times_the_query_as_the_engine_hands_it(monkeypat
     assert seen.get("query_parts") is True
 
 
-def test_pageable_host_copies_take_routes_back_to_pageable_memory(monkeypatch):
-    """``bench_plan_host``'s ``:pageable`` rows: inside ``pageable_host_copies`` a route's
-    host-to-device copy skips pinning (what every copy did before the forty-sixth session),
-    and pins again after it (a spy stands in for pinning; the copy's target claims to be on
-    a GPU so that ``copy_from_host`` would pin it)."""
-    import types
-
-    import bench_plan_host
-    import numpy as np
-
-    from trtllm_mla_plugin.ops.routes import base
-
-    pinned = []
-    monkeypatch.setattr(base, "pinned", lambda host, device: pinned.append(host) or host)
-    copied = []
-    dst = types.SimpleNamespace(dtype=torch.int64, device=types.SimpleNamespace(type="cuda"),
-                                copy_=lambda host, non_blocking: copied.append(host))
-    with bench_plan_host.pageable_host_copies():
-        base.copy_from_host(dst, np.arange(4))
-    assert not pinned and copied[-1].tolist() == [0, 1, 2, 3]
-    base.copy_from_host(dst, np.arange(3))
-    assert len(pinned) == 1 and pinned[0] is copied[-1]
-
-
 def test_random_set_filters_keep_the_draws_own_case_seeds():
     """``--random-request-rows`` / ``--random-batches`` / ``--random-rows``: a filtered set is
     the part of the whole draw inside the ranges, each shape with the case seed it has
@@ -1677,40 +1653,34 @@ def test_query_concat_bench_joins_equal_torch_cat_on_the_engines_parts():
         assert torch.equal(join(), query), name
 
 
-@pytest.mark.parametrize("suffix", ["", ":pageable"])
-def test_profile_engine_pageable_backend_runs_on_pageable_copies(monkeypatch, suffix):
-    """``profile_engine_step --backends TRTLLM_MLA@vllm-fa3-mla:pageable``: the engine is
-    built and run with ``routes.base.pinned`` swapped out (its copies from pageable memory)
-    and the route forced without the suffix; a plain name keeps pinning. The engine is a
-    stand-in that records the state when it is built, then stops the worker."""
+def test_profile_engine_worker_forces_the_named_route(monkeypatch):
+    """``profile_engine_step --backends TRTLLM_MLA@vllm-fa3-mla``: the worker builds the
+    engine as ``TRTLLM_MLA`` with the route forced through the plugin's variable, and the
+    files carry the name without '@'. The engine is a stand-in that records what it is
+    built with, then stops the worker."""
     pytest.importorskip("vllm")
-    from trtllm_mla_plugin.ops.routes import base
     from trtllm_mla_plugin.vllm_backend.decode_spec import ROUTE_ENV_VAR
 
     for var in ("VLLM_USE_FLASHINFER_SAMPLER", "VLLM_ENABLE_V1_MULTIPROCESSING",
                 "VLLM_CUSTOM_SCOPES_FOR_PROFILING", ROUTE_ENV_VAR):
         monkeypatch.setenv(var, "")
-    original = base.pinned
     seen = {}
 
     class Built(Exception):
         pass
 
     def make_llm(args, backend, *a, **k):
-        seen.update(backend=backend, route=os.environ[ROUTE_ENV_VAR],
-                    pinning=base.pinned is original)
+        seen.update(backend=backend, route=os.environ[ROUTE_ENV_VAR])
         raise Built
 
     monkeypatch.setattr(profile_engine_step, "wrap_scopes", lambda: None)
     monkeypatch.setattr(bench_engine, "make_llm", make_llm)
-    args = argparse.Namespace(backend=f"TRTLLM_MLA@vllm-fa3-mla{suffix}", steps=32, batch=8,
+    args = argparse.Namespace(backend="TRTLLM_MLA@vllm-fa3-mla", steps=32, batch=8,
                               gpu_memory=None)
     with pytest.raises(Built):
         profile_engine_step.worker(args)
-    assert seen == dict(backend="TRTLLM_MLA", route="vllm-fa3-mla", pinning=not suffix)
-    assert base.pinned is original
-    tag = profile_engine_step.file_tag(args.backend)
-    assert tag == "TRTLLM_MLA-vllm-fa3-mla" + ("-pageable" if suffix else "")
+    assert seen == dict(backend="TRTLLM_MLA", route="vllm-fa3-mla")
+    assert profile_engine_step.file_tag(args.backend) == "TRTLLM_MLA-vllm-fa3-mla"
 
 
 def test_band16_bound_replay_moves_only_the_band_below_the_bound(tmp_path, capsys):

@@ -232,3 +232,24 @@ def test_balanced_plan_on_random_batches(seed):
     assert changed >= 40
     assert geomean > 1.1
     assert min(gains) > 0.85
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_estimated_span_matches_integer_arithmetic(seed):
+    """``estimated_span`` computes in float64 (numpy vectorises it; the host runs it every
+    step): on random plans its spans equal the two bounds worked out with Python integers
+    (ceil divisions exact) and the same float split cost."""
+    rng = random.Random(seed)
+    b = rng.randint(1, 300)
+    kv_tiles = [rng.randint(0, 4000) for _ in range(b)]
+    plans = [[rng.randint(1, 128) for _ in range(b)] for _ in range(rng.randint(1, 40))]
+    query_tiles, cost = rng.randint(1, 4), rng.choice([1.0, 1.875, 4.5])
+    spans = fa3_splits.estimated_span(
+        np.array(kv_tiles, dtype=np.int64), np.array(plans, dtype=np.float64).T,
+        query_tiles, SMS, cost)
+    for plan, span in zip(plans, spans, strict=True):
+        largest = max(-(-n // s) for n, s in zip(kv_tiles, plan, strict=True)) + cost
+        pieces = sum(plan)
+        waves = -(-(query_tiles * pieces) // SMS)
+        share = query_tiles * (sum(kv_tiles) + cost * pieces) / SMS
+        assert span == pytest.approx(min(waves * largest, share + largest), rel=1e-12)

@@ -391,10 +391,10 @@ def test_staged_query_offsets_write_uniform_offsets_once(monkeypatch):
     assert len(ptrs) == 1
 
 
-def test_host_arrays_reach_the_gpu_through_copy_from_host(monkeypatch):
-    """The FA3 route's per-step host arrays (the length order, its balanced splits) go
-    through ``copy_from_host`` (pinned memory on a GPU, so ``plan`` never waits for the
-    previous step's kernels), which writes them in the destination's dtype."""
+def test_length_order_reaches_the_gpu_in_one_host_copy(monkeypatch):
+    """The FA3 route's length order of a uniform batch with host lengths: one
+    ``copy_from_host`` a step (offsets, lengths, query rows and order in one array, each at
+    its fixed offset), written in the destination's dtype."""
     import numpy as np
 
     from trtllm_mla_plugin.ops.routes import vllm_fa3_mla
@@ -413,17 +413,22 @@ def test_host_arrays_reach_the_gpu_through_copy_from_host(monkeypatch):
     monkeypatch.setattr(vllm_fa3_mla, "copy_from_host", recording)
     order = vllm_fa3_mla.LengthOrder(4, torch.device("cpu"))
     lens = torch.tensor([30, 500, 7], dtype=torch.int32)
-    batch = DecodeBatch(torch.arange(6, dtype=torch.int32).view(3, 2), lens, 500)
-    cu = torch.arange(4, dtype=torch.int32)
+    batch = DecodeBatch(torch.arange(6, dtype=torch.int32).view(3, 2), lens, 500,
+                        max_q_len=2)
+    cu = torch.arange(4, dtype=torch.int32) * 2
     order.stage(batch, batch.block_table, lens, cu, lens.numpy())
-    assert calls == [[1, 0, 2]]
+    # max batch 4: offsets [0:5], lengths [5:9], query rows [9:13], order [13:16]
+    assert calls == [[2, 0, 4, 6, 0, 500, 30, 7, 0, 2, 2, 2, 0, 1, 0, 2]]
     assert order.seq_lens.tolist() == [500, 30, 7]
+    assert order.cu_seqlens_q.tolist() == [2, 0, 4, 6]
+    assert order.seqused_q.tolist() == [2, 2, 2]
     assert order.block_table.tolist() == [[2, 3], [0, 1], [4, 5]]
 
 
 def test_flashinfer_csr_reaches_the_gpu_through_to_device(monkeypatch):
     """FlashInfer routes' page list takes its host sizes to the device with ``to_device``
-    (pinned on a GPU), so an eager plan does not wait for the previous step's kernels."""
+    (an asynchronous copy), so an eager plan does not wait for the previous step's
+    kernels."""
     from trtllm_mla_plugin.ops.routes import base, flashinfer_mla
 
     moved = []
@@ -438,15 +443,3 @@ def test_flashinfer_csr_reaches_the_gpu_through_to_device(monkeypatch):
         table, torch.tensor([65, 1, 130], dtype=torch.int32), 64)
     assert moved == [[2, 1, 3], [0, 2, 3]]
     assert kv_indptr.tolist() == [0, 2, 3, 6] and kv_indices.tolist() == [0, 1, 4, 8, 9, 10]
-
-
-def test_host_copies_fall_back_where_pinning_fails(monkeypatch):
-    """Where pinned memory is unavailable the copy still happens (pageable)."""
-    from trtllm_mla_plugin.ops.routes import base
-
-    def refuse(self):
-        raise RuntimeError("pinned memory unavailable")
-
-    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
-    host = torch.tensor([3, 4])
-    assert base.pinned(host, torch.device("cuda")) is host

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trtllm_mla_plugin.ops import UNIT_SCALES, KVScales, mla_decode_reference
+from trtllm_mla_plugin.ops import reference as reference_module
 
 DC, DR = 32, 16  # small latent dims keep the loop fast; the reference is dim-agnostic
 
@@ -59,8 +60,14 @@ def case(lens, q_lens, block, heads=3, seed=0):
         ([8, 30, 2], [2, 1, 2]),
     ],
 )
-def test_matches_naive_loop(lens, q_lens):
+@pytest.mark.parametrize("chunk_rows", [None, 1, 2])
+def test_matches_naive_loop(lens, q_lens, chunk_rows, monkeypatch):
+    """Whole, and in chunks of one or two query rows (``CHUNK_ELEMENTS``, which bounds
+    the reference's memory on long batches)."""
     block, scale = 8, 0.3
+    if chunk_rows is not None:
+        span = max(lens)  # the gather's width with max_seq_len
+        monkeypatch.setattr(reference_module, "CHUNK_ELEMENTS", chunk_rows * span * (DC + DR))
     query, kv, table = case(lens, q_lens, block)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     uniform = len(set(q_lens)) == 1
@@ -78,7 +85,10 @@ def test_matches_naive_loop(lens, q_lens):
         torch.testing.assert_close(again, want, rtol=1e-12, atol=1e-12)
 
 
-def test_scales_and_fp8_cache():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_scales_and_fp8_cache(chunked, monkeypatch):
+    if chunked:  # one query row at a time
+        monkeypatch.setattr(reference_module, "CHUNK_ELEMENTS", 1)
     lens, q_lens, block = [13, 5], [1, 2], 4
     query, kv, table = case(lens, q_lens, block, seed=3)
     kv8 = kv.to(torch.float8_e4m3fn)

@@ -143,11 +143,14 @@ def estimated_span(kv_tiles: np.ndarray, splits: np.ndarray, query_tiles: int, s
     """Estimated time of the busiest CTA, in KV tiles, for plans ``splits`` ``[batch, K]``
     (K plans at once): the smaller of two bounds of FA3's in-order grid, the wave count
     times the largest tile (exact when the tiles are equal) and the even share plus the
-    largest tile (list scheduling)."""
-    largest = (-(-kv_tiles[:, None] // splits)).max(0) + split_cost
+    largest tile (list scheduling). Float64 arithmetic on whole numbers below 2^26, where
+    ``ceil`` of a quotient is exact and numpy vectorises it (integer division it does not:
+    the host plans this every step)."""
+    tiles = kv_tiles.astype(np.float64)
+    largest = np.ceil(tiles[:, None] / splits).max(0) + split_cost
     pieces = splits.sum(0)
-    waves = -(-(query_tiles * pieces) // sms)
-    share = query_tiles * (int(kv_tiles.sum()) + split_cost * pieces) / sms
+    waves = np.ceil(query_tiles * pieces / sms)
+    share = query_tiles * (tiles.sum() + split_cost * pieces) / sms
     return np.minimum(waves * largest, share + largest)
 
 
@@ -202,16 +205,18 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
         return None
     top = int(n.max())
     sizes = CANDIDATE_SIZES[: int(np.searchsorted(CANDIDATE_SIZES, top)) + 1]
-    # Column 0: FA3's own plan; then one plan per tile size.
-    plans = np.empty((n.shape[0], sizes.shape[0] + 1), dtype=np.int64)
+    # Column 0: FA3's own plan; then one plan per tile size (whole numbers in float64, as
+    # estimated_span says why).
+    plans = np.empty((n.shape[0], sizes.shape[0] + 1), dtype=np.float64)
     plans[:, 0] = own
-    np.minimum(-(-n[:, None] // sizes), max_splits, out=plans[:, 1:])
+    np.minimum(np.ceil(n[:, None] / sizes), max_splits, out=plans[:, 1:])
     spans = estimated_span(n, plans, query_tiles, sms, split_cost_tiles(rows_per_tile))
     if rows_per_tile > CHEAP_SPLIT_ROWS:
         # More pieces than FA3's only where every cut request's pieces still hold enough KV
         # to pay for their partial outputs.
         more = plans[:, 1:].sum(0) > own.sum()
-        pieces = np.where(plans[:, 1:] > 1, -(-n[:, None] // plans[:, 1:]), MIN_SPLIT_TILES)
+        pieces = np.where(plans[:, 1:] > 1, np.ceil(n[:, None] / plans[:, 1:]),
+                          MIN_SPLIT_TILES)
         spans[1:][more & (pieces.min(0) < MIN_SPLIT_TILES)] = np.inf
     if past_band:  # only plans that fit one wave
         spans[1:][query_tiles * plans[:, 1:].sum(0) > sms] = np.inf
@@ -219,5 +224,5 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
     if best == 0 or spans[best] >= spans[0]:
         return None
     # A capped request may get more splits than its tiles fill: keep only non-empty ones.
-    splits = plans[:, best]
+    splits = plans[:, best].astype(np.int64)
     return (-(-n // (-(-n // splits)))).astype(np.int32)

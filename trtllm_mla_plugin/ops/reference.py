@@ -11,6 +11,11 @@ import torch
 
 from .spec import UNIT_SCALES, KVScales
 
+#: Elements of the gathered cache rows (``[rows, span, D]``) the reference holds at once:
+#: 1 GiB in float64, so that the tests' float64 oracle of long batches fits beside them on
+#: an 80 GB GPU (run 232, H100: the unchunked gather asked for 22.5 GiB a tensor).
+CHUNK_ELEMENTS = 1 << 27
+
 
 def query_positions(
     seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, num_tokens: int
@@ -76,7 +81,7 @@ def mla_decode_reference(
         ``[num_tokens, num_heads, kv_lora_rank]`` in ``query.dtype`` (bfloat16 for an FP8
         query), or ``out``.
     """
-    num_tokens, _, _ = query.shape
+    num_tokens, num_heads, _ = query.shape
     block_size = kv_cache.shape[1]
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     request, visible = query_positions(seq_lens, cu_seqlens_q, num_tokens)
@@ -85,20 +90,25 @@ def mla_decode_reference(
     span = min(capacity, max_seq_len) if max_seq_len is not None else capacity
     num_blocks = -(-span // block_size)
     pages = block_table[:, :num_blocks].to(torch.int64)
-    # [batch, num_blocks * block_size, D]: each request's cache laid out contiguously.
-    cache = kv_cache[pages].flatten(1, 2)[:, :span].to(compute)
-
     q = query.to(compute) * scales.q_scale
-    rows = cache[request]  # [num_tokens, span, D]
-    k = rows * scales.k_scale
-    scores = torch.einsum("thd,tsd->ths", q, k) * softmax_scale
-    mask = torch.arange(span, device=query.device)[None, :] >= visible[:, None]
-    scores.masked_fill_(mask[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # A row that sees no key (padding) yields NaN from softmax; define it as zero output.
-    probs = torch.nan_to_num(probs, nan=0.0)
-    values = rows[..., :kv_lora_rank] * scales.v_scale
-    result = torch.einsum("ths,tsd->thd", probs, values)
+    result = q.new_empty(num_tokens, num_heads, kv_lora_rank)
+    # Query rows in chunks: each row's keys are gathered whole ([rows, span, D] in
+    # ``compute``), which for 180 rows over 32k tokens in float64 is 27 GB a tensor.
+    chunk = max(1, CHUNK_ELEMENTS // (span * kv_cache.shape[-1]))
+    positions = torch.arange(span, device=query.device)
+    for start in range(0, num_tokens, chunk):
+        rows_of = slice(start, min(start + chunk, num_tokens))
+        # [rows, num_blocks * block_size, D]: each row's request cache laid out contiguously.
+        rows = kv_cache[pages[request[rows_of]]].flatten(1, 2)[:, :span].to(compute)
+        scores = torch.einsum("thd,tsd->ths", q[rows_of], rows * scales.k_scale)
+        scores *= softmax_scale
+        mask = positions[None, :] >= visible[rows_of, None]
+        scores.masked_fill_(mask[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        # A row that sees no key (padding) yields NaN from softmax; define it as zero.
+        probs = torch.nan_to_num(probs, nan=0.0)
+        values = rows[..., :kv_lora_rank] * scales.v_scale
+        result[rows_of] = torch.einsum("ths,tsd->thd", probs, values)
     if out is None:
         # An FP8 query gives bfloat16 output (as MLADecoder.output_dtype says); rounding the
         # result to FP8 would lose all but 3 mantissa bits.

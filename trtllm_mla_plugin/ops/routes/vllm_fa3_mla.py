@@ -152,6 +152,12 @@ class LengthOrder:
     moving query or output rows. Batches without exact host lengths, or with ragged query
     lengths, keep their order (the same buffers, so a captured launch replays either way).
 
+    Why one packed buffer: the ordered tables of a uniform batch follow from the host's
+    exact lengths (``DecodeBatch.seq_lens_host`` equals ``seq_lens``), so the host writes
+    them all and one copy takes them to the device; with the block table's row gather that
+    is two device operations a step, where gathering each table on the device took eight
+    (run 228: the route's plan held the engine's step on the host).
+
     Attributes (views for the planned step, at fixed addresses):
         cu_seqlens_q: ``[batch + 1]`` int32, request ``order[i]``'s first query row.
         seqused_q: ``[batch]`` int32, query rows of request ``order[i]``.
@@ -161,11 +167,13 @@ class LengthOrder:
     """
 
     def __init__(self, max_batch_size: int, device: torch.device) -> None:
-        ints = {"dtype": torch.int32, "device": device}
-        self._cu = torch.zeros(max_batch_size + 1, **ints)
-        self._q_lens = torch.zeros(max_batch_size, **ints)
-        self._seq_lens = torch.zeros(max_batch_size, **ints)
-        self._perm = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        n = self._max = max_batch_size
+        # Segments at fixed offsets: offsets [n + 1], lengths [n], query rows [n], order [n].
+        self._packed = torch.zeros(4 * n + 1, dtype=torch.int32, device=device)
+        self._cu = self._packed[: n + 1]
+        self._seq_lens = self._packed[n + 1: 2 * n + 1]
+        self._q_lens = self._packed[2 * n + 1: 3 * n + 1]
+        self._perm = self._packed[3 * n + 1:]
         self._table: torch.Tensor | None = None
         self.lens_host: np.ndarray | None = None
 
@@ -176,24 +184,37 @@ class LengthOrder:
         if lens_host is not None and batch.uniform_q_len and b > 1:
             order = np.argsort(-lens_host, kind="stable")
             self.lens_host = lens_host[order]
-            copy_from_host(self._perm[:b], order)
+            self._stage_from_host(order, self.lens_host, batch.max_q_len)
         else:
             self.lens_host = lens_host
             torch.arange(b, out=self._perm[:b])
-        perm = self._perm[:b]
+            torch.index_select(seq_lens, 0, self._perm[:b], out=self._seq_lens[:b])
+            torch.index_select(cu_seqlens_q[:b], 0, self._perm[:b], out=self._cu[:b])
+            self._cu[b:b + 1].copy_(cu_seqlens_q[b:b + 1])
+            torch.index_select(torch.diff(cu_seqlens_q), 0, self._perm[:b],
+                               out=self._q_lens[:b])
         width = block_table.shape[1]
         if self._table is None or self._table.shape[1] < width:
-            self._table = torch.zeros(self._perm.shape[0], width, dtype=torch.int32,
-                                      device=self._perm.device)
+            self._table = torch.zeros(self._max, width, dtype=torch.int32,
+                                      device=self._packed.device)
         self.block_table = self._table[:b, :width]
-        torch.index_select(block_table, 0, perm, out=self.block_table)
+        torch.index_select(block_table, 0, self._perm[:b], out=self.block_table)
         self.seq_lens = self._seq_lens[:b]
-        torch.index_select(seq_lens, 0, perm, out=self.seq_lens)
         self.cu_seqlens_q = self._cu[: b + 1]
-        torch.index_select(cu_seqlens_q[:b], 0, perm, out=self.cu_seqlens_q[:b])
-        self.cu_seqlens_q[b:].copy_(cu_seqlens_q[b:])
         self.seqused_q = self._q_lens[:b]
-        torch.index_select(torch.diff(cu_seqlens_q), 0, perm, out=self.seqused_q)
+
+    def _stage_from_host(self, order: np.ndarray, lens: np.ndarray, q_len: int) -> None:
+        """One host-to-device copy of the ordered tables of a uniform batch of ``q_len``
+        query rows a request (``order``: ``[batch]`` request indices, longest first;
+        ``lens``: their lengths)."""
+        n, b = self._max, order.shape[0]
+        host = np.zeros(3 * n + 1 + b, dtype=np.int32)
+        host[:b] = order * q_len
+        host[b] = b * q_len
+        host[n + 1: n + 1 + b] = lens
+        host[2 * n + 1: 2 * n + 1 + b] = q_len
+        host[3 * n + 1:] = order
+        copy_from_host(self._packed[: host.shape[0]], host)
 
 
 class VllmFA3MLARoute(DecodeRoute):

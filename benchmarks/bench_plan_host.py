@@ -8,11 +8,14 @@ step) before each ``plan``; a route that synchronises then takes about that long
 Usage (GPU machine, FlashInfer and vLLM's FlashMLA importable)::
 
     python benchmarks/bench_plan_host.py --out DIR [--batches 1,8,32,64,128,256]
-        [--routes vllm-fa3-mla,peer:vllm-fa3-mla]
+        [--routes vllm-fa3-mla,peer:vllm-fa3-mla] [--reps 200] [--host-profile]
 
-Writes ``DIR/plan_host.csv`` (route, lengths given, batch, GPU state, host us per plan).
-Row ``policy``: the decoder an engine builds (every
-route its CUDA-graph ranking can pick, the route ranked per batch). Row
+Writes ``DIR/plan_host.csv`` (route, lengths given, batch, GPU state, host us per plan);
+with ``--host-profile`` also ``DIR/plan_profile.txt``, each plan's functions by host time
+(``host_profile``).
+
+Row ``policy``: the decoder an engine builds (every route its CUDA-graph ranking can pick,
+the route ranked per batch). Row
 ``peer:vllm-fa3-mla``: the per-step work of vLLM's own FLASH_ATTN_MLA builder under full
 CUDA graphs (``FlashAttnMLAMetadataBuilder._build_decode``: the longest query from the host
 offsets, FA3's scheduler metadata, its copy into a persistent buffer and the zeroed tail),
@@ -28,8 +31,11 @@ kernel writes those buffers itself.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
 import importlib
+import io
+import pstats
 import random
 import statistics
 import time
@@ -149,6 +155,23 @@ def host_us_per_plan(dec, batch: DecodeBatch, busy_us: int, reps: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def host_profile(dec, batch: DecodeBatch, calls: int = 200, top: int = 15) -> str:
+    """Where ``dec.plan(batch)``'s host time goes: ``calls`` plans (the GPU idle) under
+    ``cProfile``, its table of the ``top`` functions by their own time (torch operations
+    appear as the builtin methods they are called through)."""
+    dec.plan(batch)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        dec.plan(batch)
+    profile.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("plan-out"))
@@ -158,10 +181,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--routes", default=",".join(dict.fromkeys(c[0] for c in CASES)),
                     help="comma-separated subset of the cases' routes")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also write each plan's cProfile table to DIR/plan_profile.txt")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
-    rows = []
+    rows, profiles = [], []
     routes = set(args.routes.split(","))
     for route, kv, host in (c for c in CASES if c[0] in routes):
         kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
@@ -186,10 +211,15 @@ def main() -> None:
                                  gpu_busy_us=busy, host_us_per_plan=f"{us:.1f}"))
                 print(f"{route:>21} {kv:>4} host_lengths={host!s:>5} b={b:>4} "
                       f"gpu_busy={busy:>5}us: plan {us:8.1f} us", flush=True)
+            if args.host_profile:
+                profiles.append(f"== {route} {kv} host_lengths={host} b={b}\n"
+                                f"{host_profile(dec, batch)}")
     with open(args.out / "plan_host.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    if profiles:
+        (args.out / "plan_profile.txt").write_text("\n".join(profiles))
 
 
 if __name__ == "__main__":

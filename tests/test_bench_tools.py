@@ -990,6 +990,27 @@ def test_mid_random_draws_between_the_two_split_rules():
     assert {s[4] for _, s in shapes} == {1, 2, 3, 4}
 
 
+def test_host_profile_names_what_the_plan_spends_its_time_in():
+    """``bench_plan_host --host-profile``: a plan that spends its host time in one call (a
+    stand-in decoder on the CPU sleeping in ``slow_part``) shows that call at the top of
+    the table, once a plan (200 plans; the warm-up outside the profile)."""
+    import time
+
+    import bench_plan_host
+
+    def slow_part():
+        time.sleep(0.0005)
+
+    class Decoder:
+        def plan(self, batch):
+            slow_part()
+
+    table = bench_plan_host.host_profile(Decoder(), None, calls=200, top=5)
+    rows = [line for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert "time.sleep" in rows[0] and rows[0].split()[0] == "200", table
+    assert any("slow_part" in r and r.split()[0] == "200" for r in rows), table
+
+
 def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
     """``bench_plan_host``'s stand-in for vLLM's FLASHMLA builder on an FP8 cache asks
     FlashMLA's dense FP8 scheduler for the step's lengths with ``max query x heads`` query

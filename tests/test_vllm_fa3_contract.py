@@ -356,6 +356,19 @@ def test_scheduler_buffer_matches_vllm_bound():
     assert fa3_scheduler_metadata_size(256) == 1 + 256 * 4
 
 
+def test_scheduler_tail_holds_zeros_after_a_shorter_metadata(fake):
+    """Each step's metadata is followed by zeros in the persistent buffer, also when it is
+    shorter than an earlier step's (a step zeroes only what a longer one left)."""
+    route = VllmFA3MLARoute(spec(), torch.device("cpu"), max_batch_size=6, cuda_graph=True)
+    route._scheduler.fill_(0)
+    for length in (9, 5, 7, 7, 2):
+        fake.metadata_len = length
+        route.plan(batch_of([100, 700, 64]))
+        written = route._scheduler.tolist()
+        assert written[:length] == [1] * length, length
+        assert not any(written[length:]), (length, written)
+
+
 def test_fp8_scales_are_refused(fake):
     route = VllmFA3MLARoute(spec(), torch.device("cpu"), 2)
     route.plan(batch_of([5, 6]))

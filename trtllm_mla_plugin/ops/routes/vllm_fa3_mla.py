@@ -16,7 +16,7 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
 * ``causal=True`` masks bottom-right aligned per request (``cu_seqlens_q`` gives each
   request's query rows), as ``ops.reference`` does.
 * scheduling: ``get_scheduler_metadata`` (a device op on the step's lengths) in ``plan``,
-  copied into a persistent buffer whose tail is zeroed (vLLM: stale entries would let spare
+  copied into a persistent buffer whose tail holds zeros (vLLM: stale entries would let spare
   thread blocks overwrite output). Eager steps let the kernel choose the number of KV
   splits. Under CUDA graphs the launch's ``num_splits`` is a cap that also sizes FA3's
   partial outputs (``[num_splits, heads, tokens, Dc]`` float32, allocated inside the
@@ -277,9 +277,13 @@ class VllmFA3MLARoute(DecodeRoute):
         self._ordered = False
         self._reserved_splits = self._planned_splits = 0
         self._query_offsets = StagedQueryOffsets(max_batch_size, device)
-        #: FA3's scheduler metadata at a fixed address (captured launches read it).
+        #: FA3's scheduler metadata at a fixed address (captured launches read it). Past the
+        #: step's metadata it holds zeros (vLLM: stale entries would let spare thread blocks
+        #: overwrite output); only the first ``_scheduler_written`` entries were ever
+        #: written, so a step zeroes only what a longer metadata left behind.
         self._scheduler = torch.zeros(fa3_scheduler_metadata_size(max_batch_size),
                                       dtype=torch.int32, device=device)
+        self._scheduler_written = 0
         self._batch: DecodeBatch | None = None
         #: SMs FA3 spreads its work over (its split formula's ``num_sm``).
         self._sms = (torch.cuda.get_device_properties(device).multi_processor_count
@@ -313,7 +317,9 @@ class VllmFA3MLARoute(DecodeRoute):
         )
         n = metadata.shape[0]
         self._scheduler[:n].copy_(metadata)
-        self._scheduler[n:].zero_()
+        if n < self._scheduler_written:
+            self._scheduler[n: self._scheduler_written].zero_()
+        self._scheduler_written = n
         self._metadata = self._scheduler[:n]
         splits = self._balanced_splits(batch, lens_host)
         if splits is not None:

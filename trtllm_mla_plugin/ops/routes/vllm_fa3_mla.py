@@ -155,7 +155,7 @@ class LengthOrder:
     Why one packed buffer: the ordered tables of a uniform batch follow from the host's
     exact lengths (``DecodeBatch.seq_lens_host`` equals ``seq_lens``), so the host writes
     them all and one copy takes them to the device; with the block table's row gather that
-    is two device operations a step, where gathering each table on the device took eight
+    is two device operations a step, where gathering each table on the device took seven
     (run 228: the route's plan held the engine's step on the host).
 
     Attributes (views for the planned step, at fixed addresses):

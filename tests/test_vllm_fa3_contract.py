@@ -369,6 +369,39 @@ def test_scheduler_tail_holds_zeros_after_a_shorter_metadata(fake):
         assert not any(written[length:]), (length, written)
 
 
+def test_ordered_graph_plan_issues_four_device_operations(fake):
+    """The host cost of a step's plan (run 228: the route's plan held the engine's step on
+    the host): a 128-request uniform batch with host lengths under CUDA graphs, launched
+    longest first with the route's own splits, takes four operations that touch memory
+    besides FA3's scheduler call (the packed length order, the block table's row gather,
+    the scheduler copy, the splits), counted with a dispatch-mode counter; views are
+    free."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    views = {"slice", "alias", "detach", "lift_fresh", "view", "select"}
+    fake.metadata_len = 1 + 128 * 4
+    route = VllmFA3MLARoute(spec(), torch.device("cpu"), max_batch_size=128, cuda_graph=True)
+    lens = torch.tensor(np.random.default_rng(0).integers(1024, 8600, 128), dtype=torch.int32)
+    batch = DecodeBatch(torch.zeros(128, 140, dtype=torch.int32), lens, int(lens.max()),
+                        kv_tokens=int(lens.sum()), seq_lens_host=lens.clone(),
+                        persistent=True)
+    route.plan(batch)
+    with Count() as count:
+        route.plan(batch)
+    assert route._ordered and route._balanced_splits(batch, route._order.lens_host) is not None
+    ops = [op for op in count.ops if op not in views and op != "ones"]  # "ones": the fake's
+    assert ops == ["copy_", "index_select", "copy_", "copy_"], count.ops
+
+
 def test_fp8_scales_are_refused(fake):
     route = VllmFA3MLARoute(spec(), torch.device("cpu"), 2)
     route.plan(batch_of([5, 6]))

@@ -102,7 +102,10 @@ def summarize(trace: dict, top: int = 15, eager: bool = False) -> dict:
     graph): every step after the first, the recompute prefill. Host scopes: the median
     over decode steps of each scope's time within a step. CUDA runtime calls and GPU work:
     totals over the decode steps' span divided by their number; GPU busy time is the union
-    of kernel, copy and memset intervals, so concurrent streams count once.
+    of kernel, copy and memset intervals, so concurrent streams count once. GPU work counts
+    by when the host launched it (the runtime call of the same ``correlation``) where the
+    trace says: the GPU runs behind the host, so work of the steps before the span (the
+    prefill's, in run 228) can execute inside it, and the last step's after it.
     """
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events
@@ -120,15 +123,23 @@ def summarize(trace: dict, top: int = 15, eager: bool = False) -> dict:
         raise ValueError(f"trace holds {len(decode)} {kind} decode steps; need at least 3")
     window = (decode[0]["ts"], decode[-1]["ts"] + decode[-1]["dur"])
     n = len(decode)
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+
+    def host_time(e: dict) -> float:
+        """When the host launched GPU event ``e`` (its own start where the trace does not
+        link it to a launch)."""
+        return launched.get(e.get("args", {}).get("correlation"), e["ts"])
 
     in_step: dict[str, list[float]] = defaultdict(lambda: [0.0] * n)
     runtime: dict[str, list[float]] = defaultdict(list)
     kernels: dict[str, list[float]] = defaultdict(list)
     gpu: list[tuple[float, float]] = []
     for e in events:
-        if not window[0] <= e["ts"] <= window[1]:
-            continue
         cat = e.get("cat", "")
+        if not window[0] <= (host_time(e) if cat in GPU_CATEGORIES else e["ts"]) <= window[1]:
+            continue
         if cat == "user_annotation":
             for i, st in enumerate(decode):
                 if st["ts"] <= e["ts"] <= st["ts"] + st["dur"]:

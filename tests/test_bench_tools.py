@@ -79,6 +79,27 @@ def test_summary_counts_graph_decode_steps_only():
     assert runtime["cudaGraphLaunch"]["us_per_step"] == 40
 
 
+def test_summary_counts_gpu_work_by_its_launch():
+    """GPU work linked to its launch (``correlation``) counts with the step that launched
+    it: a prefill kernel still running inside the decode span is left out, and the last
+    step's kernel that ends after the span is counted (run 228's first decode steps held
+    the prefill's copies)."""
+    trace = _trace()
+    ev = trace["traceEvents"]
+    for e in ev:
+        if e["name"] == "kernel-prefill":
+            e.update(ts=1100, dur=400, args={"correlation": 7})  # runs inside step 1
+        if e["name"] == "decode" and e["ts"] == 2300:
+            e.update(ts=2500, dur=300, args={"correlation": 9})  # ends after the span
+    ev.append(_x("cudaLaunchKernel", "cuda_runtime", 500, 10) | {"args": {"correlation": 7}})
+    ev.append(_x("cudaLaunchKernel", "cuda_runtime", 2250, 10) | {"args": {"correlation": 9}})
+    s = summarize(trace)
+    kernels = {r["name"]: r for r in s["kernels"]}
+    assert "kernel-prefill" not in kernels
+    assert kernels["decode"]["us_per_step"] == pytest.approx(500 / 3, abs=0.1)
+    assert s["gpu_busy_us_per_step"] == 200  # 250 + 50 + 300, the prefill kernel left out
+
+
 def test_summary_needs_decode_steps():
     trace = _trace()
     trace["traceEvents"] = [e for e in trace["traceEvents"] if e["name"] != "cudaGraphLaunch"]

@@ -177,21 +177,12 @@ def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
-    backend, _ = bench_engine.set_route(args.backend)
-    wrap_scopes()
-    args.output_len = args.steps
-    summary = profile_engine(args, backend)
-    Path(args.result).write_text(json.dumps(summary, indent=1))
-    sys.stdout.flush()
-    os._exit(0)  # engine teardown can hang after the results are out
-
-
-def profile_engine(args: argparse.Namespace, backend: str) -> dict:
-    """Start ``backend``'s engine, time its decode step unprofiled, then profile one
-    ``generate``; the trace goes next to ``args.result``, the summary is returned."""
     import torch
     from vllm import SamplingParams
 
+    backend, _ = bench_engine.set_route(args.backend)
+    wrap_scopes()
+    args.output_len = args.steps
     llm = bench_engine.make_llm(args, backend, args.batch, [args.batch],
                                 gpu_memory=args.gpu_memory or bench_engine.GPU_MEMORY_ALONE)
     prompts = bench_engine.make_prompts(args, args.batch)
@@ -219,7 +210,9 @@ def profile_engine(args: argparse.Namespace, backend: str) -> dict:
         summary.update(summarize(trace, top=args.top, eager=args.eager))
     except ValueError as error:
         summary["error"] = str(error)
-    return summary
+    Path(args.result).write_text(json.dumps(summary, indent=1))
+    sys.stdout.flush()
+    os._exit(0)  # engine teardown can hang after the results are out
 
 
 def print_comparison(summaries: list[dict]) -> None:

@@ -10,9 +10,11 @@ Usage (GPU machine, FlashInfer and vLLM's FlashMLA importable)::
     python benchmarks/bench_plan_host.py --out DIR [--batches 1,8,32,64,128,256]
         [--routes vllm-fa3-mla,peer:vllm-fa3-mla] [--reps 200] [--host-profile]
 
-Writes ``DIR/plan_host.csv`` (route, lengths given, batch, GPU state, host us per plan);
-with ``--host-profile`` also ``DIR/plan_profile.txt``, each plan's functions by host time
-(``host_profile``).
+Each case plans a decode stream (``decode_stream``: every request a token longer each
+plan, as the engine's steps come), so a plan that reuses what it worked out for an earlier
+step does so as often as in decode. Writes ``DIR/plan_host.csv`` (route, lengths given,
+batch, GPU state, median and mean host us per plan); with ``--host-profile`` also
+``DIR/plan_profile.txt``, each plan's functions by host time (``host_profile``).
 
 Row ``policy``: the decoder an engine builds (every route its CUDA-graph ranking can pick,
 the route ranked per batch). Row
@@ -39,6 +41,7 @@ import pstats
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,32 +140,56 @@ class VllmFlashMLAFP8BuilderPlan:
         self.splits[: splits.size(0)].copy_(splits)
 
 
-def host_us_per_plan(dec, batch: DecodeBatch, busy_us: int, reps: int) -> float:
-    """Median host time of ``dec.plan(batch)`` (``dec``: an ``MLADecoder`` or a vLLM
-    builder's stand-in), the GPU idle or kept busy ``busy_us`` before each. (Runs 17
-    and 66-69 reported the mean, which a few slow plans moved by tens of us.)"""
+def decode_stream(batch: DecodeBatch) -> Iterator[DecodeBatch]:
+    """``batch``, then the same requests one decode step later, and so on: each request a
+    token longer, written into the same fixed-address tensors (as vLLM's are), the host
+    lengths too. Replanning one batch would hand a plan that reuses an earlier step's work
+    (the FA3 route's splits while no request crosses a KV tile) a repeat on every call;
+    in decode a 64-token tile is crossed every 64 steps per request."""
+    while True:
+        yield batch
+        batch.seq_lens.add_(1)
+        if batch.seq_lens_host is not None:
+            batch.seq_lens_host.add_(1)
+        batch = replace(batch, max_seq_len=batch.max_seq_len + 1,
+                        kv_tokens=None if batch.kv_tokens is None
+                        else batch.kv_tokens + batch.batch_size)
+
+
+def host_us_per_plan(dec, steps: Iterator[DecodeBatch], busy_us: int,
+                     reps: int) -> tuple[float, float]:
+    """Median and mean host time of ``dec.plan`` over ``reps`` steps of ``steps``
+    (``decode_stream``; ``dec``: an ``MLADecoder`` or a vLLM builder's stand-in), the GPU
+    idle or kept busy ``busy_us`` before each. The median as runs 17 and 66-69 did not (a
+    few slow plans moved their mean by tens of us); the mean is what a stream of steps
+    pays where some plans reuse an earlier step's work."""
     cycles = int(busy_us * 1.98e3)  # H200 SM clock ~1.98 GHz
-    dec.plan(batch)
+    dec.plan(next(steps))
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        batch = next(steps)
         if busy_us:
             torch.cuda._sleep(cycles)
         t0 = time.perf_counter()
         dec.plan(batch)
         times.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return statistics.median(times) * 1e6, statistics.fmean(times) * 1e6
 
 
-def host_profile(dec, batch: DecodeBatch, calls: int = 200, top: int = 15) -> str:
-    """Where ``dec.plan(batch)``'s host time goes: ``calls`` plans (the GPU idle) under
-    ``cProfile``, its table of the ``top`` functions by their own time (torch operations
-    appear as the builtin methods they are called through)."""
-    dec.plan(batch)
+def host_profile(dec, steps: Iterator, calls: int = 200, top: int = 15) -> str:
+    """Where ``dec.plan``'s host time goes over ``calls`` steps of ``steps``
+    (``decode_stream``; the GPU idle) under ``cProfile``: its table of the ``top``
+    functions by their own time (torch operations appear as the builtin methods they are
+    called through)."""
+    dec.plan(next(steps))
+    batches = [next(steps) for _ in range(calls)]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     profile = cProfile.Profile()
     profile.enable()
-    for _ in range(calls):
+    for batch in batches:
         dec.plan(batch)
     profile.disable()
     if torch.cuda.is_available():
@@ -205,15 +232,18 @@ def main() -> None:
                 dec = MLADecoder(spec, device, max(b, POLICY_MAX_BATCH), cuda_graph=True)
             else:
                 dec = MLADecoder(spec, device, b, route=forced, cuda_graph=True)
+            steps = decode_stream(batch)
             for busy in (0, args.busy_us):
-                us = host_us_per_plan(dec, batch, busy, args.reps)
+                median, mean = host_us_per_plan(dec, steps, busy, args.reps)
                 rows.append(dict(route=route, kv=kv, host_lengths=host, batch=b,
-                                 gpu_busy_us=busy, host_us_per_plan=f"{us:.1f}"))
+                                 gpu_busy_us=busy, host_us_per_plan=f"{median:.1f}",
+                                 host_us_mean=f"{mean:.1f}"))
                 print(f"{route:>21} {kv:>4} host_lengths={host!s:>5} b={b:>4} "
-                      f"gpu_busy={busy:>5}us: plan {us:8.1f} us", flush=True)
+                      f"gpu_busy={busy:>5}us: plan {median:8.1f} us (mean {mean:8.1f})",
+                      flush=True)
             if args.host_profile:
                 profiles.append(f"== {route} {kv} host_lengths={host} b={b}\n"
-                                f"{host_profile(dec, batch)}")
+                                f"{host_profile(dec, steps)}")
     with open(args.out / "plan_host.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

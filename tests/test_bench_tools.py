@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import itertools
 import json
 import math
 import os
@@ -1026,13 +1027,39 @@ def test_host_profile_names_what_the_plan_spends_its_time_in():
         def plan(self, batch):
             slow_part()
 
-    table = bench_plan_host.host_profile(Decoder(), None, calls=200, top=5)
+    table = bench_plan_host.host_profile(Decoder(), itertools.repeat(None), calls=200, top=5)
     # A function's row: "ncalls tottime percall cumtime percall filename:lineno(function)"
     # or "... {built-in method ...}".
     rows = [line for line in table.splitlines()
             if line.split()[:1] and line.split()[0].isdigit() and ("{" in line or ".py:" in line)]
     assert "time.sleep" in rows[0] and rows[0].split()[0] == "200", table
     assert any("slow_part" in r and r.split()[0] == "200" for r in rows), table
+
+
+def test_decode_stream_lengthens_every_request_by_a_token_in_place():
+    """``bench_plan_host.decode_stream``: each step the same fixed-address tensors, every
+    length (device and host) one token longer, the longest and the total following; a
+    batch without host lengths keeps none."""
+    import bench_plan_host
+
+    from trtllm_mla_plugin.ops import DecodeBatch
+
+    lens = torch.tensor([5, 70, 64], dtype=torch.int32)
+    batch = DecodeBatch(torch.zeros(3, 2, dtype=torch.int32), lens.clone(), 70,
+                        kv_tokens=139, seq_lens_host=lens.clone(), persistent=True)
+    steps = bench_plan_host.decode_stream(batch)
+    seen = [next(steps) for _ in range(4)]
+    for i, step in enumerate(seen):
+        assert step.seq_lens.data_ptr() == batch.seq_lens.data_ptr()
+        assert step.max_seq_len == 70 + i and step.kv_tokens == 139 + 3 * i
+    assert seen[-1].seq_lens.tolist() == seen[-1].seq_lens_host.tolist() == [8, 73, 67]
+    bare = bench_plan_host.decode_stream(
+        DecodeBatch(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([9], dtype=torch.int32),
+                    9))
+    next(bare)
+    later = next(bare)
+    assert later.seq_lens_host is None and later.kv_tokens is None
+    assert later.seq_lens.tolist() == [10] and later.max_seq_len == 10
 
 
 def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():

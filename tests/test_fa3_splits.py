@@ -253,3 +253,54 @@ def test_estimated_span_matches_integer_arithmetic(seed):
         waves = -(-(query_tiles * pieces) // SMS)
         share = query_tiles * (sum(kv_tiles) + cost * pieces) / SMS
         assert span == pytest.approx(min(waves * largest, share + largest), rel=1e-12)
+
+
+def test_repeated_batches_get_the_searchs_own_answer():
+    """``RepeatedBatchSplits`` over decode streams (lengths growing a token a step at 1-4
+    query tokens, a request now and then replaced, 8-160 requests): at every step its
+    answer equals a fresh ``balanced_splits``, and it searched exactly at the steps whose
+    KV tiles differ from the previous step's."""
+    rng = np.random.default_rng(7)
+    steps = searches = answers_changed = 0
+    for _ in range(12):
+        b, q = int(rng.choice([8, 16, 24, 32, 64, 160])), int(rng.choice([1, 1, 2, 4]))
+        lens = rng.integers(300, 9000, b)
+        memo = fa3_splits.RepeatedBatchSplits()
+        changes, previous, last_answer = 0, None, None
+        for _ in range(150):
+            lens = np.where(rng.random(b) < 1 / 200, rng.integers(300, 9000, b), lens + q)
+            tiles = -(-lens // 64)
+            changes += previous is None or not np.array_equal(tiles, previous)
+            previous = tiles
+            fresh = fa3_splits.balanced_splits(tiles, 1, 32, SMS, 16)
+            got = memo(tiles, 1, 32, SMS, 16)
+            assert (got is None) == (fresh is None)
+            assert got is None or np.array_equal(got, fresh)
+            answers_changed += steps > 0 and not (
+                (fresh is None and last_answer is None)
+                or (fresh is not None and last_answer is not None
+                    and np.array_equal(fresh, last_answer)))
+            last_answer = fresh
+            steps += 1
+        assert memo.searches == changes
+        searches += changes
+    # The streams repeat tiles (so answers were reused) and change the answer (so a stale
+    # one would have been caught).
+    assert searches < 0.9 * steps and answers_changed > 20, (searches, answers_changed)
+
+
+def test_repeated_batch_with_other_arguments_is_searched_again():
+    """The same KV tiles with another cap, band or tile shape is a new question."""
+    tiles = np.full(28, 276)
+    memo = fa3_splits.RepeatedBatchSplits()
+    assert np.array_equal(memo(tiles, 1, 32, SMS, 32),
+                          fa3_splits.balanced_splits(tiles, 1, 32, SMS, 32))
+    for args in ((1, 32, SMS, 32, 4), (1, 32, SMS, 64), (1, 32, SMS, 32, None, 1.0),
+                 (2, 32, SMS, 32)):
+        expected = fa3_splits.balanced_splits(tiles, *args)
+        got = memo(tiles, *args)
+        assert (got is None) == (expected is None), args
+        assert got is None or np.array_equal(got, expected), args
+    assert memo.searches == 5
+    # The first question again: searched again (one answer is kept, the last).
+    assert memo(tiles, 1, 32, SMS, 32) is not None and memo.searches == 6

@@ -274,6 +274,7 @@ class VllmFA3MLARoute(DecodeRoute):
         #: instead of ``policy.vllm_fa3_length_order``.
         self.length_order_override: bool | None = None
         self._order = LengthOrder(max_batch_size, device)
+        self._splits_of = fa3_splits.RepeatedBatchSplits()
         self._ordered = False
         self._reserved_splits = self._planned_splits = 0
         self._query_offsets = StagedQueryOffsets(max_batch_size, device)
@@ -347,7 +348,7 @@ class VllmFA3MLARoute(DecodeRoute):
                 or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms, widest)):
             return None
         lens = lens_host.astype(np.int64)
-        return fa3_splits.balanced_splits(
+        return self._splits_of(
             -(-lens // policy.FA3_KV_TILE), tiles, self._reserved_splits, self._sms,
             rows_per_tile, self._planned_splits, spill)
 

@@ -160,8 +160,8 @@ def host_us_per_plan(dec, steps: Iterator[DecodeBatch], busy_us: int,
                      reps: int) -> tuple[float, float]:
     """Median and mean host time of ``dec.plan`` over ``reps`` steps of ``steps``
     (``decode_stream``; ``dec``: an ``MLADecoder`` or a vLLM builder's stand-in), the GPU
-    idle or kept busy ``busy_us`` before each. The median as runs 17 and 66-69 did not (a
-    few slow plans moved their mean by tens of us); the mean is what a stream of steps
+    idle or kept busy ``busy_us`` before each. The median, because a few slow plans moved
+    the means of runs 17 and 66-69 by tens of us; the mean, because it is what a stream
     pays where some plans reuse an earlier step's work."""
     cycles = int(busy_us * 1.98e3)  # H200 SM clock ~1.98 GHz
     dec.plan(next(steps))
@@ -184,14 +184,12 @@ def host_profile(dec, steps: Iterator, calls: int = 200, top: int = 15) -> str:
     functions by their own time (torch operations appear as the builtin methods they are
     called through)."""
     dec.plan(next(steps))
-    batches = [next(steps) for _ in range(calls)]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
     profile = cProfile.Profile()
-    profile.enable()
-    for batch in batches:
+    for _ in range(calls):
+        batch = next(steps)  # the stream's own step (it writes the lengths in place)
+        profile.enable()
         dec.plan(batch)
-    profile.disable()
+        profile.disable()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     text = io.StringIO()

@@ -1062,6 +1062,27 @@ def test_decode_stream_lengthens_every_request_by_a_token_in_place():
     assert later.seq_lens.tolist() == [10] and later.max_seq_len == 10
 
 
+def test_host_profile_plans_successive_steps_of_the_stream():
+    """``host_profile`` hands the decoder each step of a ``decode_stream`` as it comes (the
+    lengths it sees grow a token a plan), so a plan that repeats an earlier step's work
+    for unchanged tiles is profiled at decode's rate, not on every call."""
+    import bench_plan_host
+
+    from trtllm_mla_plugin.ops import DecodeBatch
+
+    seen = []
+
+    class Decoder:
+        def plan(self, batch):
+            seen.append(batch.seq_lens_host.tolist())
+
+    lens = torch.tensor([10, 20], dtype=torch.int32)
+    batch = DecodeBatch(torch.zeros(2, 2, dtype=torch.int32), lens.clone(), 20,
+                        kv_tokens=30, seq_lens_host=lens.clone(), persistent=True)
+    bench_plan_host.host_profile(Decoder(), bench_plan_host.decode_stream(batch), calls=5)
+    assert seen == [[10 + i, 20 + i] for i in range(6)]  # the warm-up, then five steps
+
+
 def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
     """``bench_plan_host``'s stand-in for vLLM's FLASHMLA builder on an FP8 cache asks
     FlashMLA's dense FP8 scheduler for the step's lengths with ``max query x heads`` query

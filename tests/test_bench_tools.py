@@ -1083,6 +1083,35 @@ def test_host_profile_plans_successive_steps_of_the_stream():
     assert seen == [[10 + i, 20 + i] for i in range(6)]  # the warm-up, then five steps
 
 
+def test_graph_switch_probe_summary_scores_the_faster_flagged_route(tmp_path):
+    """``graph_switch_probe --summarize``: per shape the flags' cost over each route's own
+    graph and, beside the decoder's score, the score of the faster route behind the flags
+    (the faster of vLLM's calls over it); then both scores' geometric mean and worst."""
+    import graph_switch_probe as probe
+
+    path = tmp_path / "switch.csv"
+    rows = [("s1", "plugin", 20.0), ("s1", "A", 20.0), ("s1", "B", 12.0),
+            ("s1", "switch:A", 21.0), ("s1", "switch:B", 13.0),
+            ("s1", "peer:vllm-flashmla", 14.0), ("s1", "peer:vllm-fa3-mla", 13.0),
+            ("s2", "plugin", 100.0), ("s2", "A", 100.0), ("s2", "B", 120.0),
+            ("s2", "switch:A", 102.0), ("s2", "switch:B", 121.0),
+            ("s2", "peer:vllm-fa3-mla", 105.0)]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["shape", "batch", "kernel", "rounds_us", "median_us", "checks"])
+        w.writerow(["s1", 8, "check", "", "", "ran_0_rel_diff=0.0"])
+        for shape, kernel, us in rows:
+            w.writerow([shape, 8, kernel, f"{us}", f"{us}", ""])
+    lines = probe.summary(probe.read_results(path))
+    assert lines[0] == ("s1, flags over A +1.00 us, flags over B +1.00 us, decoder 0.650, "
+                        "per-step pick 1.000")
+    assert lines[1] == ("s2, flags over A +2.00 us, flags over B +1.00 us, decoder 1.050, "
+                        "per-step pick 1.029")
+    g_dec, g_pick = math.sqrt(0.65 * 1.05), math.sqrt(1.0 * 105 / 102)
+    assert lines[2] == f"decoder: geomean {g_dec:.3f} worst 0.650 n 2"
+    assert lines[3] == f"per-step pick: geomean {g_pick:.3f} worst 1.000 n 2"
+
+
 def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
     """``bench_plan_host``'s stand-in for vLLM's FLASHMLA builder on an FP8 cache asks
     FlashMLA's dense FP8 scheduler for the step's lengths with ``max query x heads`` query

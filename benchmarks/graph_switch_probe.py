@@ -1,0 +1,259 @@
+"""Two routes in one CUDA graph, one of them run per replay: what CUDA graph conditional
+nodes would cost and gain the CUDA-graph decoder.
+
+Why: under CUDA graphs the decoder's route is fixed per captured batch size, ranked
+without the lengths, and every bf16 shape that misses the aims of issue 9 is a batch whose
+lengths favour the route the graph did not take (docs/benchmarks.md, "Where things
+stand"). The host has each step's exact lengths when it plans; if both routes sat in the
+graph, each inside an if-node (``torch.cuda.CUDAGraph.begin_capture_to_if_node``: a
+conditional node whose body runs only while a device flag is true), the plan could pick
+per step. This probe answers, before any decoder change, whether that works with the
+plugin's routes and what it costs: per shape it captures route A alone, route B alone and
+both behind flags, checks that a replay runs only the flagged route (the other's output
+stays untouched; the flagged one's equals its own graph's), and times, in alternation with
+vLLM's two calls and the decoder as the engine runs it, each route in its own graph and
+behind the flags.
+
+Usage (GPU machine, the vLLM kit installed for vLLM's kernels)::
+
+    python benchmarks/graph_switch_probe.py --out switch.csv --grid 5,18 \\
+        --routes cuda-splitk,vllm-fa3-mla --rounds 5 --query-parts
+    python benchmarks/graph_switch_probe.py --out switch.csv --seeds 500,501,502,503 \\
+        --count 40 --request-rows 1-512 --batches 1-1024 \\
+        --only "h16 b56 467 r0.22 q1 bf16 p64;h8 b51 316 r0.16 q1 bf16 p64" \\
+        --routes cuda-splitk,vllm-fa3-mla --rounds 5 --query-parts
+    python benchmarks/graph_switch_probe.py --out switch.csv --summarize   # any machine
+
+``--out``: one row per shape and kernel (``decode_kernels`` names, ``A``/``B`` for the
+routes alone, ``switch:A``/``switch:B`` for the graph of both with that one flagged; us
+per round and their median), and per shape a row ``check`` with the replay checks
+(``replay_checks``).
+Stdout and ``--summarize``: per shape, what the flags cost over each route's own graph,
+and the decoder's score (the faster of vLLM's calls over it) beside the score of the
+faster route behind the flags (what a per-step pick from the lengths would reach).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_decode
+import decode_kernels
+from bench_decode import BF, FULL, int_range, make_case, random_set, shape_name
+from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
+
+PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
+#: The torch.cuda.CUDAGraph methods an if-node capture needs (PyTorch's conditional-node
+#: support, ``torch/_higher_order_ops/cudagraph_conditional_nodes.py``).
+IF_NODE_METHODS = ("get_currently_capturing_graph", "begin_capture_to_if_node",
+                   "end_capture_to_conditional_node")
+
+
+def if_node_support() -> str | None:
+    """``None`` where this torch can capture if-nodes, else what is missing."""
+    missing = [m for m in IF_NODE_METHODS if not hasattr(torch.cuda.CUDAGraph, m)]
+    if missing:
+        return f"torch {torch.__version__}: torch.cuda.CUDAGraph has no {', '.join(missing)}"
+    return None
+
+
+def switched(calls: list[Callable], flags: torch.Tensor) -> Callable:
+    """One call of ``calls`` (each ``call(cache) -> out``) that runs ``calls[i]`` where
+    ``flags[i]`` (``[len(calls)]`` bool, CUDA) is true: under stream capture each inside an
+    if-node, so a replay runs only the flagged ones; outside capture (warm-up) all of
+    them. Returns their outputs."""
+    def call(cache: torch.Tensor) -> list[torch.Tensor]:
+        if not torch.cuda.is_current_stream_capturing():
+            return [c(cache) for c in calls]
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        outs = []
+        for flag, c in zip(flags, calls, strict=True):
+            graph.begin_capture_to_if_node(flag)
+            try:
+                outs.append(c(cache))
+            finally:
+                graph.end_capture_to_conditional_node()
+        return outs
+
+    return call
+
+
+def replay_checks(calls: list[Callable], cache: torch.Tensor) -> dict[str, float | bool]:
+    """Captures ``switched(calls)`` once on ``cache`` and replays it with each flag alone:
+    the flagged call's output against its own eager output (relative difference; 0.0 for
+    the same kernel on the same plan) and whether every other output kept the NaN it was
+    filled with (its body did not run)."""
+    expected = [c(cache).float() for c in calls]
+    flags = torch.zeros(len(calls), dtype=torch.bool, device=cache.device)
+    call = switched(calls, flags)
+    call(cache)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        outs = call(cache)
+    torch.cuda.synchronize()
+    result: dict[str, float | bool] = {}
+    for i in range(len(calls)):
+        flags.zero_()
+        flags[i] = True
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        diff = (outs[i].float() - expected[i]).norm() / expected[i].norm()
+        result[f"ran_{i}_rel_diff"] = float(diff)
+        result[f"ran_{i}_others_untouched"] = all(
+            bool(torch.isnan(out).all()) for j, out in enumerate(outs) if j != i)
+    return result
+
+
+def timed_graphs(case, pair: list[Kernel]) -> dict[str, torch.cuda.CUDAGraph]:
+    """Graphs of ``bench_decode.REPS_PER_GRAPH`` calls each: the decoder (``plugin``),
+    each route of ``pair`` alone (``A``, ``B``), both behind flags with one set
+    (``switch:A``, ``switch:B``), and vLLM's two calls where they run."""
+    kernels = {"plugin": decoder_kernel("plugin", case, None, engine_query=True,
+                                        cuda_graph=True), "A": pair[0], "B": pair[1]}
+    for peer in (flashmla_peer(case), vllm_fa3_mla_peer(case)):
+        kernels[peer.name] = peer
+    graphs = {name: bench_decode.capture_graph(k.call, case)
+              for name, k in kernels.items() if k.call is not None}
+    for i, label in enumerate("AB"):
+        flags = torch.zeros(2, dtype=torch.bool, device=case.query.device)
+        flags[i] = True
+        graphs[f"switch:{label}"] = bench_decode.capture_graph(
+            switched([pair[0].call, pair[1].call], flags), case)
+    return graphs
+
+
+def score(times: dict[str, float], kernel: str) -> float | None:
+    """(the faster of vLLM's calls that ran) / ``kernel``'s time, or ``None``."""
+    peers = [times[p] for p in PEERS if p in times]
+    return min(peers) / times[kernel] if peers and kernel in times else None
+
+
+def shape_line(name: str, times: dict[str, float]) -> str:
+    """One shape's reading: each flag's cost over its route's own graph (us), and the
+    decoder's score beside the faster flagged route's."""
+    cells = [name]
+    for label in "AB":
+        if label in times and f"switch:{label}" in times:
+            cells.append(f"flags over {label} {times[f'switch:{label}'] - times[label]:+.2f} us")
+    switch = [k for k in ("switch:A", "switch:B") if k in times]
+    plugin, best = score(times, "plugin"), None
+    if switch:
+        best = score(times, min(switch, key=times.__getitem__))
+    cells.append(f"decoder {plugin:.3f}" if plugin else "decoder -")
+    cells.append(f"per-step pick {best:.3f}" if best else "per-step pick -")
+    return ", ".join(cells)
+
+
+def summary(results: dict[str, dict[str, float]]) -> list[str]:
+    """``shape_line`` per shape, then the geometric mean and worst of the decoder's score
+    and of the per-step pick's over the shapes that have both."""
+    lines = [shape_line(name, t) for name, t in results.items()]
+    pairs = [(p, b) for t in results.values()
+             if (p := score(t, "plugin")) and (b := max(
+                 (s for k in ("switch:A", "switch:B") if (s := score(t, k))), default=None))]
+    if pairs:
+        for label, values in (("decoder", [p for p, _ in pairs]),
+                              ("per-step pick", [b for _, b in pairs])):
+            lines.append(f"{label}: geomean {statistics.geometric_mean(values):.3f} "
+                         f"worst {min(values):.3f} n {len(values)}")
+    return lines
+
+
+def read_results(path: Path) -> dict[str, dict[str, float]]:
+    """Shape name -> median us per kernel of an ``--out`` file."""
+    results: dict[str, dict[str, float]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            if row["kernel"] != "check" and row["median_us"]:
+                results.setdefault(row["shape"], {})[row["kernel"]] = float(row["median_us"])
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--grid", default="", help="comma-separated indices into bench_decode's "
+                    "grid (bf16 shapes)")
+    ap.add_argument("--seeds", default="", help="comma-separated random-set seeds")
+    ap.add_argument("--count", type=int, default=40, help="shapes drawn per seed")
+    ap.add_argument("--request-rows", type=int_range, default=(1, 512), metavar="LO-HI")
+    ap.add_argument("--batches", type=int_range, default=(1, 1024), metavar="LO-HI")
+    ap.add_argument("--only", default="", help="';'-separated names of the random draws' "
+                    "shapes to keep (grid shapes are always kept)")
+    ap.add_argument("--routes", default="cuda-splitk,vllm-fa3-mla",
+                    help="the two routes A,B behind the flags")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--query-parts", action="store_true",
+                    help="vLLM's two query parts, as in the engine (decode_kernels.QUERY_PARTS)")
+    ap.add_argument("--summarize", action="store_true",
+                    help="only summarize an existing --out file (any machine)")
+    args = ap.parse_args()
+    if args.summarize:
+        print("\n".join(summary(read_results(args.out))))
+        return
+    missing = if_node_support()
+    if missing:
+        raise SystemExit(f"no if-node capture: {missing}")
+    routes = args.routes.split(",")
+    if len(routes) != 2:
+        raise SystemExit(f"--routes takes two routes, got {args.routes!r}")
+    decode_kernels.QUERY_PARTS = args.query_parts
+    device = torch.device("cuda")
+    shapes = [(int(i), FULL[int(i)]) for i in args.grid.split(",") if i]
+    only = {n.strip() for n in args.only.split(";") if n.strip()}
+    for seed in (int(s) for s in args.seeds.split(",") if s):
+        shapes += [(case_seed, shape) for case_seed, shape in random_set(
+            seed, args.count, keep=BF, request_rows=args.request_rows, batches=args.batches)
+            if not only or shape_name(shape) in only]
+    results: dict[str, dict[str, float]] = {}
+    with open(args.out, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["shape", "batch", "kernel", "rounds_us", "median_us", "checks"])
+        for case_seed, shape in shapes:
+            case = make_case(shape, case_seed, device)
+            pair = [decoder_kernel(label, case, route, engine_query=True, cuda_graph=True)
+                    for label, route in zip("AB", routes, strict=True)]
+            if any(k.call is None for k in pair):
+                reasons = "; ".join(k.absent for k in pair if k.absent)
+                writer.writerow([case.name, shape[1], "check", "", "", reasons])
+                print(f"{case.name}: skipped ({reasons})", flush=True)
+                continue
+            try:
+                checks = replay_checks([k.call for k in pair], case.caches[0])
+                graphs = timed_graphs(case, pair)
+            except Exception as error:  # the probe's question: record why, go on
+                writer.writerow([case.name, shape[1], "check", "", "",
+                                 f"error={type(error).__name__}: {error}"])
+                print(f"{case.name}: {type(error).__name__}: {error}", flush=True)
+                continue
+            writer.writerow([case.name, shape[1], "check", "", "",
+                             " ".join(f"{k}={v}" for k, v in checks.items())])
+            per_round = bench_decode.alternate_graphs(list(graphs.values()), args.rounds)
+            times = {}
+            for name, values in zip(graphs, per_round, strict=True):
+                times[name] = statistics.median(values)
+                writer.writerow([case.name, shape[1], name, " ".join(f"{v:.2f}" for v in values),
+                                 f"{times[name]:.2f}", ""])
+            f.flush()
+            results[case.name] = times
+            print(shape_line(case.name, times) + f"; checks {checks}", flush=True)
+            del case, pair, graphs
+            torch.cuda.empty_cache()
+    print("\n".join(summary(results)))
+
+
+if __name__ == "__main__":
+    main()

@@ -333,9 +333,10 @@ class VllmFA3MLARoute(DecodeRoute):
     def _balanced_splits(self, batch: DecodeBatch,
                          lens_host: np.ndarray | None) -> np.ndarray | None:
         """Splits per request that fill FA3's grid better than its own formula
-        (``fa3_splits.balanced_splits``), or ``None`` to keep FA3's: under CUDA graphs,
-        where the plan has per-request splits (a cap of >= 2) and the host has the step's
-        lengths (``lens_host``, in the order FA3 is launched on)."""
+        (``fa3_splits.balanced_splits``; the previous step's answer again while the KV
+        tiles are the same, ``fa3_splits.RepeatedBatchSplits``), or ``None`` to keep
+        FA3's: under CUDA graphs, where the plan has per-request splits (a cap of >= 2) and
+        the host has the step's lengths (``lens_host``, in the order FA3 is launched on)."""
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS

@@ -30,7 +30,8 @@ per round and their median), and per shape a row ``check`` with the replay check
 (``replay_checks``).
 Stdout and ``--summarize``: per shape, what the flags cost over each route's own graph,
 and the decoder's score (the faster of vLLM's calls over it) beside the score of the
-faster route behind the flags (what a per-step pick from the lengths would reach).
+faster route behind the flags (what a per-step pick from the lengths would reach if its
+rule always picked the faster: an upper bound).
 """
 
 from __future__ import annotations

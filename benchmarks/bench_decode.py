@@ -173,6 +173,31 @@ def int_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def add_shape_options(ap: argparse.ArgumentParser, count: int,
+                      request_rows: tuple[int, int], batches: tuple[int, int]) -> None:
+    """The shape options of the graph benchmarks (``graph_routes_ab``,
+    ``graph_switch_probe``): grid indices, and random draws filtered by query rows per
+    request and batch size (``chosen_shapes`` reads them)."""
+    ap.add_argument("--grid", default="", help="comma-separated indices into bench_decode's "
+                    "grid (bf16 shapes)")
+    ap.add_argument("--seeds", default="", help="comma-separated random-set seeds")
+    ap.add_argument("--count", type=int, default=count, help="shapes drawn per seed")
+    ap.add_argument("--request-rows", type=int_range, default=request_rows, metavar="LO-HI")
+    ap.add_argument("--batches", type=int_range, default=batches, metavar="LO-HI")
+
+
+def chosen_shapes(args: argparse.Namespace,
+                  keep: Callable[[tuple], bool] = lambda shape: True) -> list[tuple[int, tuple]]:
+    """``(case seed, shape)`` of ``add_shape_options``' options: the grid shapes (the case
+    seed their index), then each seed's bf16 draws within the filters and ``keep``."""
+    shapes = [(int(i), FULL[int(i)]) for i in args.grid.split(",") if i]
+    for seed in (int(x) for x in args.seeds.split(",") if x):
+        shapes += [(case_seed, shape) for case_seed, shape in random_set(
+            seed, args.count, keep=BF, request_rows=args.request_rows, batches=args.batches)
+            if keep(shape)]
+    return shapes
+
+
 def case_lengths(kind: str, ctx: int, b: int, q_len: int, g: torch.Generator) -> list[int]:
     """KV lengths of a shape's ``b`` requests: ``u`` all ``ctx``; ``r`` / ``rLO`` uniform in
     ``[LO * ctx, ctx]`` (LO 0 when absent); ``oFRAC`` the first request ``ctx`` and the rest

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode
 import decode_kernels
-from bench_decode import BF, FULL, int_range, make_case, random_set
+from bench_decode import add_shape_options, chosen_shapes, make_case
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
 
 PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
@@ -133,12 +133,7 @@ def read_results_by_shape(path: Path) -> dict[str, tuple[int, dict[str, float]]]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--seeds", default="", help="comma-separated random-set seeds")
-    ap.add_argument("--count", type=int, default=1000, help="shapes drawn per seed")
-    ap.add_argument("--request-rows", type=int_range, default=(9, 16), metavar="LO-HI")
-    ap.add_argument("--batches", type=int_range, default=(17, 127), metavar="LO-HI")
-    ap.add_argument("--grid", default="", help="comma-separated indices into bench_decode's "
-                    "grid (bf16 shapes)")
+    add_shape_options(ap, count=1000, request_rows=(9, 16), batches=(17, 127))
     ap.add_argument("--routes", default="flashmla,cuda-splitk")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--query-parts", action="store_true",
@@ -156,10 +151,7 @@ def main() -> None:
     decode_kernels.QUERY_PARTS = args.query_parts
     bench_decode.SUSTAIN_S = args.sustain
     device = torch.device("cuda")
-    shapes = [(int(i), FULL[int(i)]) for i in args.grid.split(",") if i]
-    for seed in (int(s) for s in args.seeds.split(",") if s):
-        shapes += random_set(seed, args.count, keep=BF, request_rows=args.request_rows,
-                             batches=args.batches)
+    shapes = chosen_shapes(args)
     print(f"{len(shapes)} shapes, routes {routes}, {args.rounds} rounds", flush=True)
     results, names = [], []
     with open(args.out, "w", newline="") as f:

@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode
 import decode_kernels
-from bench_decode import BF, FULL, int_range, make_case, random_set, shape_name
+from bench_decode import add_shape_options, chosen_shapes, make_case, shape_name
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
 
 PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
@@ -186,12 +186,7 @@ def read_results(path: Path) -> dict[str, dict[str, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--grid", default="", help="comma-separated indices into bench_decode's "
-                    "grid (bf16 shapes)")
-    ap.add_argument("--seeds", default="", help="comma-separated random-set seeds")
-    ap.add_argument("--count", type=int, default=40, help="shapes drawn per seed")
-    ap.add_argument("--request-rows", type=int_range, default=(1, 512), metavar="LO-HI")
-    ap.add_argument("--batches", type=int_range, default=(1, 1024), metavar="LO-HI")
+    add_shape_options(ap, count=40, request_rows=(1, 512), batches=(1, 1024))
     ap.add_argument("--only", default="", help="';'-separated names of the random draws' "
                     "shapes to keep (grid shapes are always kept)")
     ap.add_argument("--routes", default="cuda-splitk,vllm-fa3-mla",
@@ -213,12 +208,8 @@ def main() -> None:
         raise SystemExit(f"--routes takes two routes, got {args.routes!r}")
     decode_kernels.QUERY_PARTS = args.query_parts
     device = torch.device("cuda")
-    shapes = [(int(i), FULL[int(i)]) for i in args.grid.split(",") if i]
     only = {n.strip() for n in args.only.split(";") if n.strip()}
-    for seed in (int(s) for s in args.seeds.split(",") if s):
-        shapes += [(case_seed, shape) for case_seed, shape in random_set(
-            seed, args.count, keep=BF, request_rows=args.request_rows, batches=args.batches)
-            if not only or shape_name(shape) in only]
+    shapes = chosen_shapes(args, lambda shape: not only or shape_name(shape) in only)
     results: dict[str, dict[str, float]] = {}
     with open(args.out, "w", newline="") as f:
         writer = csv.writer(f)

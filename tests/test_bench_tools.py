@@ -1083,6 +1083,26 @@ def test_host_profile_plans_successive_steps_of_the_stream():
     assert seen == [[10 + i, 20 + i] for i in range(6)]  # the warm-up, then five steps
 
 
+def test_chosen_shapes_keep_the_grid_and_filter_the_draws():
+    """``bench_decode.chosen_shapes``: the grid shapes by index (their case seed), then the
+    seeds' bf16 draws within the query-row and batch filters that ``keep`` accepts (case
+    seed ``1000 x seed`` + place in the draw, as ``random_set`` gives them)."""
+    ap = argparse.ArgumentParser()
+    bench_decode.add_shape_options(ap, count=40, request_rows=(1, 512), batches=(1, 1024))
+    args = ap.parse_args(["--grid", "3,44", "--seeds", "500,501"])
+    draws = bench_decode.random_set(500, 40, keep=bench_decode.BF, request_rows=(1, 512),
+                                    batches=(1, 1024))
+    draws += bench_decode.random_set(501, 40, keep=bench_decode.BF, request_rows=(1, 512),
+                                     batches=(1, 1024))
+    everything = bench_decode.chosen_shapes(args)
+    assert everything == [(3, bench_decode.FULL[3]), (44, bench_decode.FULL[44]), *draws]
+    wanted = bench_decode.shape_name(draws[5][1])
+    kept = bench_decode.chosen_shapes(args, lambda s: bench_decode.shape_name(s) == wanted)
+    assert kept == [(3, bench_decode.FULL[3]), (44, bench_decode.FULL[44]), draws[5]]
+    narrow = ap.parse_args(["--seeds", "500", "--batches", "1-8"])
+    assert all(shape[1] <= 8 for _, shape in bench_decode.chosen_shapes(narrow))
+
+
 def test_graph_switch_probe_summary_scores_the_faster_flagged_route(tmp_path):
     """``graph_switch_probe --summarize``: per shape the flags' cost over each route's own
     graph and, beside the decoder's score, the score of the faster route behind the flags

@@ -50,8 +50,8 @@ import bench_decode
 import decode_kernels
 from bench_decode import add_shape_options, chosen_shapes, make_case, shape_name
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
+from graph_routes_ab import read_results_by_shape, score
 
-PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
 #: The torch.cuda.CUDAGraph methods an if-node capture needs (PyTorch's conditional-node
 #: support, ``torch/_higher_order_ops/cudagraph_conditional_nodes.py``).
 IF_NODE_METHODS = ("get_currently_capturing_graph", "begin_capture_to_if_node",
@@ -96,13 +96,8 @@ def replay_checks(calls: list[Callable], cache: torch.Tensor) -> dict[str, float
     flags = torch.zeros(len(calls), dtype=torch.bool, device=cache.device)
     call = switched(calls, flags)
     call(cache)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        outs = call(cache)
-    torch.cuda.synchronize()
+    outs: list[torch.Tensor] = []
+    graph = bench_decode.capture_calls(lambda _: outs.extend(call(cache)), reps=1)
     result: dict[str, float | bool] = {}
     for i in range(len(calls)):
         flags.zero_()
@@ -134,12 +129,6 @@ def timed_graphs(case, pair: list[Kernel]) -> dict[str, torch.cuda.CUDAGraph]:
         graphs[f"switch:{label}"] = bench_decode.capture_graph(
             switched([pair[0].call, pair[1].call], flags), case)
     return graphs
-
-
-def score(times: dict[str, float], kernel: str) -> float | None:
-    """(the faster of vLLM's calls that ran) / ``kernel``'s time, or ``None``."""
-    peers = [times[p] for p in PEERS if p in times]
-    return min(peers) / times[kernel] if peers and kernel in times else None
 
 
 def shape_line(name: str, times: dict[str, float]) -> str:
@@ -174,13 +163,9 @@ def summary(results: dict[str, dict[str, float]]) -> list[str]:
 
 
 def read_results(path: Path) -> dict[str, dict[str, float]]:
-    """Shape name -> median us per kernel of an ``--out`` file."""
-    results: dict[str, dict[str, float]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            if row["kernel"] != "check" and row["median_us"]:
-                results.setdefault(row["shape"], {})[row["kernel"]] = float(row["median_us"])
-    return results
+    """Shape name -> median us per kernel of an ``--out`` file (its ``check`` rows hold no
+    time)."""
+    return {name: times for name, (_, times) in read_results_by_shape(path).items()}
 
 
 def main() -> None:

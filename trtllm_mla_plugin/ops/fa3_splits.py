@@ -211,15 +211,16 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
     plans[:, 0] = own
     np.minimum(np.ceil(n[:, None] / sizes), max_splits, out=plans[:, 1:])
     spans = estimated_span(n, plans, query_tiles, sms, split_cost_tiles(rows_per_tile))
+    counts = plans[:, 1:].sum(0)  # pieces of each size's plan
     if rows_per_tile > CHEAP_SPLIT_ROWS:
         # More pieces than FA3's only where every cut request's pieces still hold enough KV
         # to pay for their partial outputs.
-        more = plans[:, 1:].sum(0) > own.sum()
+        more = counts > own.sum()
         pieces = np.where(plans[:, 1:] > 1, np.ceil(n[:, None] / plans[:, 1:]),
                           MIN_SPLIT_TILES)
         spans[1:][more & (pieces.min(0) < MIN_SPLIT_TILES)] = np.inf
     if past_band:  # only plans that fit one wave
-        spans[1:][query_tiles * plans[:, 1:].sum(0) > sms] = np.inf
+        spans[1:][query_tiles * counts > sms] = np.inf
     best = int(np.argmin(spans))
     if best == 0 or spans[best] >= spans[0]:
         return None

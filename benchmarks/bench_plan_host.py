@@ -64,15 +64,30 @@ CASES = [("flashinfer-fa3", "bf16", True), ("flashinfer-fa3", "bf16", False),
 #: Requests the ``policy`` decoder is built for (as an engine's ``max_num_seqs``): it holds
 #: every route its CUDA-graph ranking can pick and ranks each batch.
 POLICY_MAX_BATCH = 256
+#: Plans ``host_profile`` profiles per case.
+PROFILE_CALLS = 200
 
 
 def batch_for(b: int, heads: int, rng: random.Random, width: int, device) -> DecodeBatch:
+    """``b`` requests of 1024-8192 tokens, their block table ``width`` blocks wide (wide
+    enough for the longest after the steps a ``decode_stream`` adds: ``table_width``)."""
     lens = [rng.randint(1024, 8192) for _ in range(b)]
     table = torch.randint(0, 4096, (b, width), dtype=torch.int32, device=device)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     # As the vLLM glue passes them: the engine's fixed-address tensors, exact host lengths.
     return DecodeBatch(table, lens_t.to(device), max(lens), kv_tokens=sum(lens),
                        seq_lens_host=lens_t, persistent=True)
+
+
+def table_width(steps: int, block_size: int = 64, longest: int = 8192) -> int:
+    """Blocks per block-table row for ``batch_for``'s requests to grow ``steps`` tokens."""
+    return -(-(longest + steps) // block_size)
+
+
+def stream_steps(reps: int, host_profile: bool) -> int:
+    """Steps ``main`` takes from one case's ``decode_stream``: a warm-up plan and ``reps``
+    timed ones with the GPU idle and again busy, and ``host_profile``'s warm-up and calls."""
+    return 2 * (reps + 1) + (PROFILE_CALLS + 1 if host_profile else 0)
 
 
 def longest_query(cu_host: torch.Tensor, b: int) -> int:
@@ -178,7 +193,7 @@ def host_us_per_plan(dec, steps: Iterator[DecodeBatch], busy_us: int,
     return statistics.median(times) * 1e6, statistics.fmean(times) * 1e6
 
 
-def host_profile(dec, steps: Iterator, calls: int = 200, top: int = 15) -> str:
+def host_profile(dec, steps: Iterator, calls: int = PROFILE_CALLS, top: int = 15) -> str:
     """Where ``dec.plan``'s host time goes over ``calls`` steps of ``steps``
     (``decode_stream``; the GPU idle) under ``cProfile``: its table of the ``top``
     functions by their own time (torch operations appear as the builtin methods they are
@@ -219,7 +234,8 @@ def main() -> None:
         forced = None if route == "policy" or route.startswith("peer:") else route
         spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), forced))
         for b in (int(x) for x in args.batches.split(",")):
-            batch = batch_for(b, args.heads, random.Random(b), 8192 // 64, device)
+            width = table_width(stream_steps(args.reps, args.host_profile))
+            batch = batch_for(b, args.heads, random.Random(b), width, device)
             if not host:
                 batch = replace(batch, seq_lens_host=None)
             if route == "peer:vllm-flashmla-fp8":

@@ -15,9 +15,11 @@ import itertools
 import json
 import math
 import os
+import random
 import sys
 import time
 from contextlib import redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -1060,6 +1062,30 @@ def test_decode_stream_lengthens_every_request_by_a_token_in_place():
     later = next(bare)
     assert later.seq_lens_host is None and later.kv_tokens is None
     assert later.seq_lens.tolist() == [10] and later.max_seq_len == 10
+
+
+def test_plan_host_block_table_holds_every_step_of_the_stream():
+    """``bench_plan_host``: the block table ``main`` builds stays wide enough for every step
+    it takes from a case's ``decode_stream`` (run 238 stopped on its 8192-token table at
+    the first step past 8192), and the count of steps is what ``main`` takes."""
+    import bench_plan_host
+
+    from trtllm_mla_plugin.ops import DecodeSpec
+    from trtllm_mla_plugin.ops.validation import check_batch
+
+    spec = DecodeSpec(16, 512, 64, 64, torch.bfloat16, torch.bfloat16, 1 / 192**0.5)
+    for reps, profile in ((400, True), (20, False)):
+        steps = bench_plan_host.stream_steps(reps, profile)
+        assert steps == 2 * (reps + 1) + (bench_plan_host.PROFILE_CALLS + 1) * profile
+        width = bench_plan_host.table_width(steps)
+        batch = bench_plan_host.batch_for(8, 16, random.Random(8), width, "cpu")
+        batch = replace(batch, max_seq_len=8192)  # the longest a draw can be
+        stream = bench_plan_host.decode_stream(batch)
+        for _ in range(steps):
+            check_batch(spec, next(stream), 8)
+        with pytest.raises(ValueError, match="too narrow"):
+            for _ in range(bench_plan_host.table_width(0) * 64):
+                check_batch(spec, next(stream), 8)
 
 
 def test_host_profile_plans_successive_steps_of_the_stream():

@@ -5,8 +5,8 @@ Why: under CUDA graphs the decoder's route is fixed per captured batch size, ran
 without the lengths, and every bf16 shape that misses the aims of issue 9 is a batch whose
 lengths favour the route the graph did not take (docs/benchmarks.md, "Where things
 stand"). The host has each step's exact lengths when it plans; if both routes sat in the
-graph, each inside an if-node (``torch.cuda.CUDAGraph.begin_capture_to_if_node``: a
-conditional node whose body runs only while a device flag is true), the plan could pick
+graph, each inside an if-node (``ops.graph_switch.if_node``: a CUDA graph conditional
+node whose body runs only while a device flag is true), the plan could pick
 per step. This probe answers, before any decoder change, whether that works with the
 plugin's routes and what it costs: per shape it captures route A alone, route B alone and
 both behind flags, checks that a replay runs only the flagged route (the other's output
@@ -52,18 +52,7 @@ from bench_decode import add_shape_options, chosen_shapes, make_case, shape_name
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
 from graph_routes_ab import read_results_by_shape, score
 
-#: The torch.cuda.CUDAGraph methods an if-node capture needs (PyTorch's conditional-node
-#: support, ``torch/_higher_order_ops/cudagraph_conditional_nodes.py``).
-IF_NODE_METHODS = ("get_currently_capturing_graph", "begin_capture_to_if_node",
-                   "end_capture_to_conditional_node")
-
-
-def if_node_support() -> str | None:
-    """``None`` where this torch can capture if-nodes, else what is missing."""
-    missing = [m for m in IF_NODE_METHODS if not hasattr(torch.cuda.CUDAGraph, m)]
-    if missing:
-        return f"torch {torch.__version__}: torch.cuda.CUDAGraph has no {', '.join(missing)}"
-    return None
+from trtllm_mla_plugin.ops.graph_switch import if_node, if_node_support, prepare_if_nodes
 
 
 def switched(calls: list[Callable], flags: torch.Tensor) -> Callable:
@@ -73,15 +62,12 @@ def switched(calls: list[Callable], flags: torch.Tensor) -> Callable:
     them. Returns their outputs."""
     def call(cache: torch.Tensor) -> list[torch.Tensor]:
         if not torch.cuda.is_current_stream_capturing():
+            prepare_if_nodes(cache.device)
             return [c(cache) for c in calls]
-        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
         outs = []
         for flag, c in zip(flags, calls, strict=True):
-            graph.begin_capture_to_if_node(flag)
-            try:
+            with if_node(flag):
                 outs.append(c(cache))
-            finally:
-                graph.end_capture_to_conditional_node()
         return outs
 
     return call

@@ -1,0 +1,87 @@
+"""Work in a CUDA graph that a replay runs only while a device flag is set: CUDA graph
+conditional nodes (if-nodes), so one captured graph can hold several decode routes and each
+replay run the one its step's plan flagged.
+
+``if_node(flag)`` takes torch's own capture (``torch.cuda.CUDAGraph.begin_capture_to_if_node``,
+torch 2.13 and later: vLLM 0.33's torch 2.14) where there is one, else the same steps
+through the CUDA driver API (``kernels.graph_if_node``: its flag kernel is compiled with
+``nvcc`` at first use, as the cuda-splitk route's kernel is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+#: The ``torch.cuda.CUDAGraph`` methods of torch's if-node capture.
+TORCH_IF_NODE_METHODS = ("get_currently_capturing_graph", "begin_capture_to_if_node",
+                         "end_capture_to_conditional_node")
+
+
+def torch_has_if_nodes() -> bool:
+    """Whether this torch captures if-nodes itself."""
+    return all(hasattr(torch.cuda.CUDAGraph, m) for m in TORCH_IF_NODE_METHODS)
+
+
+def if_node_support() -> str | None:
+    """``None`` where ``if_node`` can capture on this machine, else why not (cheap: no
+    compilation, no CUDA work)."""
+    if torch_has_if_nodes():
+        return None
+    from .kernels.graph_if_node import missing_driver_functions
+    from .kernels.nvcc_build import find_nvcc
+
+    missing = missing_driver_functions()
+    if missing:
+        return (f"torch {torch.__version__} has no if-node capture and the CUDA driver lacks "
+                f"{', '.join(missing)} (needs a driver of CUDA 12.4 or later)")
+    if not hasattr(torch.cuda, "use_mem_pool"):
+        return f"torch {torch.__version__} has neither if-node capture nor torch.cuda.use_mem_pool"
+    if find_nvcc() is None:
+        return (f"torch {torch.__version__} has no if-node capture, and the driver-API way "
+                "compiles its flag kernel with nvcc, which is not here (CUDA_HOME or PATH)")
+    return None
+
+
+def prepare_if_nodes(device: torch.device | str) -> None:
+    """What ``if_node`` needs on ``device`` made ready; call before capture (the driver-API
+    way loads its flag kernel and makes a stream, which capture does not allow; torch's own
+    needs nothing)."""
+    if not torch_has_if_nodes():
+        from .kernels.graph_if_node import prepare
+
+        prepare(torch.device(device))
+
+
+@contextmanager
+def if_node(flag: torch.Tensor) -> Iterator[None]:
+    """While the current stream captures a CUDA graph, the work the block issues goes into
+    an if-node: a replay runs it only while ``flag`` is true.
+
+    Args:
+        flag: ``[]`` (0-dim) ``torch.bool`` on the capturing device, at a fixed address:
+            the graph reads it at each replay (write it before ``replay``).
+
+    Raises ``RuntimeError`` outside capture (callers run the work they want directly) and,
+    for the driver-API way, on a device not readied by ``prepare_if_nodes``.
+    """
+    if flag.dim() != 0 or flag.dtype != torch.bool or not flag.is_cuda:
+        raise ValueError(f"if_node takes a 0-dim torch.bool CUDA tensor, got {flag.dtype} "
+                         f"of shape {tuple(flag.shape)} on {flag.device}")
+    if not torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("if_node is for CUDA graph capture; the current stream is not "
+                           "capturing")
+    if torch_has_if_nodes():
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        graph.begin_capture_to_if_node(flag)
+        try:
+            yield
+        finally:
+            graph.end_capture_to_conditional_node()
+        return
+    from .kernels.graph_if_node import driver_if_node
+
+    with driver_if_node(flag):
+        yield

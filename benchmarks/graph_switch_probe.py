@@ -9,8 +9,10 @@ graph, each inside an if-node (``ops.graph_switch.if_node``: a CUDA graph condit
 node whose body runs only while a device flag is true), the plan could pick
 per step. This probe answers, before any decoder change, whether that works with the
 plugin's routes and what it costs: per shape it captures route A alone, route B alone and
-both behind flags, checks that a replay runs only the flagged route (the other's output
-stays untouched; the flagged one's equals its own graph's), and times, in alternation with
+both behind flags (``KINDS``: an if-node each, and one switch node whose index is read when
+the replay starts, where the driver has switch nodes), checks that a replay runs only
+the chosen route (the other's output stays untouched; the chosen one's equals its own
+graph's), and times, in alternation with
 vLLM's two calls and the decoder as the engine runs it, each route in its own graph and
 behind the flags.
 
@@ -25,9 +27,9 @@ Usage (GPU machine, the vLLM kit installed for vLLM's kernels)::
     python benchmarks/graph_switch_probe.py --out switch.csv --summarize   # any machine
 
 ``--out``: one row per shape and kernel (``decode_kernels`` names, ``A``/``B`` for the
-routes alone, ``switch:A``/``switch:B`` for the graph of both with that one flagged; us
-per round and their median), and per shape a row ``check`` with the replay checks
-(``replay_checks``).
+routes alone, ``switch:A``/``switch:B`` for the graph of both behind if-nodes with that one
+flagged, ``node:A``/``node:B`` the same in one switch node; us per round and their median),
+and per shape a row ``check`` with the replay checks (``replay_checks``).
 Stdout and ``--summarize``: per shape, what the flags cost over each route's own graph,
 and the decoder's score (the faster of vLLM's calls over it) beside the score of the
 faster route behind the flags (what a per-step pick from the lengths would reach if its
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import statistics
 import sys
 from collections.abc import Callable
@@ -52,7 +55,19 @@ from bench_decode import add_shape_options, chosen_shapes, make_case, shape_name
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
 from graph_routes_ab import read_results_by_shape, score
 
-from trtllm_mla_plugin.ops.graph_switch import if_node, if_node_support, prepare_if_nodes
+from trtllm_mla_plugin.ops.graph_switch import (
+    if_node,
+    if_node_support,
+    prepare_if_nodes,
+    switch_node,
+    switch_node_support,
+)
+
+#: How the routes sit behind device memory: ``switch``, one if-node each (``if_node``:
+#: torch's capture where torch has it; the kernel reading each flag on the path of the
+#: work); ``node``, one switch node (``switch_node``, the driver API; its index read by a
+#: kernel that runs when the replay starts).
+KINDS = ("switch", "node")
 
 
 def switched(calls: list[Callable], flags: torch.Tensor) -> Callable:
@@ -73,77 +88,124 @@ def switched(calls: list[Callable], flags: torch.Tensor) -> Callable:
     return call
 
 
-def replay_checks(calls: list[Callable], cache: torch.Tensor) -> dict[str, float | bool]:
-    """Captures ``switched(calls)`` once on ``cache`` and replays it with each flag alone:
-    the flagged call's output against its own eager output (relative difference; 0.0 for
-    the same kernel on the same plan) and whether every other output kept the NaN it was
-    filled with (its body did not run)."""
+def switch_noded(calls: list[Callable], index: torch.Tensor) -> Callable:
+    """As ``switched``, the calls in one switch node run by ``index`` (0-dim int32, CUDA)."""
+    def call(cache: torch.Tensor) -> list[torch.Tensor]:
+        if not torch.cuda.is_current_stream_capturing():
+            prepare_if_nodes(cache.device, driver=True)
+            return [c(cache) for c in calls]
+        return switch_node(index, [functools.partial(c, cache) for c in calls])
+
+    return call
+
+
+def selector(kind: str, count: int, device: torch.device) -> torch.Tensor:
+    """The device memory a replay of ``kind`` reads: ``count`` flags, or one index."""
+    if kind == "switch":
+        return torch.zeros(count, dtype=torch.bool, device=device)
+    return torch.zeros((), dtype=torch.int32, device=device)
+
+
+def select(kind: str, chosen: torch.Tensor, i: int) -> None:
+    """Make the replays of ``kind`` run call ``i``."""
+    if kind == "switch":
+        chosen.zero_()
+        chosen[i] = True
+    else:
+        chosen.fill_(i)
+
+
+def behind(kind: str, calls: list[Callable], chosen: torch.Tensor) -> Callable:
+    return switched(calls, chosen) if kind == "switch" else switch_noded(calls, chosen)
+
+
+def replay_checks(calls: list[Callable], cache: torch.Tensor,
+                  kind: str = "switch") -> dict[str, float | bool]:
+    """Captures ``calls`` behind ``kind`` once on ``cache`` and replays it with each call
+    chosen alone: the chosen call's output against its own eager output (relative
+    difference; 0.0 for the same kernel on the same plan) and whether every other output
+    kept the NaN it was filled with (its body did not run). Keys ``ran_*`` for ``switch``,
+    ``node_ran_*`` for ``node``."""
     expected = [c(cache).float() for c in calls]
-    flags = torch.zeros(len(calls), dtype=torch.bool, device=cache.device)
-    call = switched(calls, flags)
+    chosen = selector(kind, len(calls), cache.device)
+    call = behind(kind, calls, chosen)
     call(cache)
     outs: list[torch.Tensor] = []
     graph = bench_decode.capture_calls(lambda _: outs.extend(call(cache)), reps=1)
     result: dict[str, float | bool] = {}
+    prefix = "" if kind == "switch" else f"{kind}_"
     for i in range(len(calls)):
-        flags.zero_()
-        flags[i] = True
+        select(kind, chosen, i)
         for out in outs:
             out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         diff = (outs[i].float() - expected[i]).norm() / expected[i].norm()
-        result[f"ran_{i}_rel_diff"] = float(diff)
-        result[f"ran_{i}_others_untouched"] = all(
+        result[f"{prefix}ran_{i}_rel_diff"] = float(diff)
+        result[f"{prefix}ran_{i}_others_untouched"] = all(
             bool(torch.isnan(out).all()) for j, out in enumerate(outs) if j != i)
     return result
 
 
-def timed_graphs(case, pair: list[Kernel]) -> dict[str, torch.cuda.CUDAGraph]:
+def timed_graphs(case, pair: list[Kernel], kinds: tuple[str, ...] = KINDS
+                 ) -> dict[str, torch.cuda.CUDAGraph]:
     """Graphs of ``bench_decode.REPS_PER_GRAPH`` calls each: the decoder (``plugin``),
-    each route of ``pair`` alone (``A``, ``B``), both behind flags with one set
-    (``switch:A``, ``switch:B``), and vLLM's two calls where they run."""
+    each route of ``pair`` alone (``A``, ``B``), both behind each of ``kinds`` with one
+    chosen (``switch:A``, ``node:B``, ...), and vLLM's two calls where they run."""
     kernels = {"plugin": decoder_kernel("plugin", case, None, engine_query=True,
                                         cuda_graph=True), "A": pair[0], "B": pair[1]}
     for peer in (flashmla_peer(case), vllm_fa3_mla_peer(case)):
         kernels[peer.name] = peer
     graphs = {name: bench_decode.capture_graph(k.call, case)
               for name, k in kernels.items() if k.call is not None}
-    for i, label in enumerate("AB"):
-        flags = torch.zeros(2, dtype=torch.bool, device=case.query.device)
-        flags[i] = True
-        graphs[f"switch:{label}"] = bench_decode.capture_graph(
-            switched([pair[0].call, pair[1].call], flags), case)
+    for kind in kinds:
+        for i, label in enumerate("AB"):
+            chosen = selector(kind, 2, case.query.device)
+            select(kind, chosen, i)
+            graphs[f"{kind}:{label}"] = bench_decode.capture_graph(
+                behind(kind, [pair[0].call, pair[1].call], chosen), case)
     return graphs
 
 
 def shape_line(name: str, times: dict[str, float]) -> str:
-    """One shape's reading: each flag's cost over its route's own graph (us), and the
-    decoder's score beside the faster flagged route's."""
+    """One shape's reading: what each kind costs over each route's own graph (us; ``flags``
+    for ``switch``, ``node`` for ``node``), and the decoder's score beside the faster
+    chosen route's per kind (``per-step pick``; ``per-step pick (node)``)."""
     cells = [name]
-    for label in "AB":
-        if label in times and f"switch:{label}" in times:
-            cells.append(f"flags over {label} {times[f'switch:{label}'] - times[label]:+.2f} us")
-    switch = [k for k in ("switch:A", "switch:B") if k in times]
-    plugin, best = score(times, "plugin"), None
-    if switch:
-        best = score(times, min(switch, key=times.__getitem__))
+    for kind, word in (("switch", "flags"), ("node", "node")):
+        for label in "AB":
+            if label in times and f"{kind}:{label}" in times:
+                cells.append(f"{word} over {label} "
+                             f"{times[f'{kind}:{label}'] - times[label]:+.2f} us")
+    plugin = score(times, "plugin")
     cells.append(f"decoder {plugin:.3f}" if plugin else "decoder -")
-    cells.append(f"per-step pick {best:.3f}" if best else "per-step pick -")
+    for kind, label in (("switch", "per-step pick"), ("node", "per-step pick (node)")):
+        chosen = [k for k in (f"{kind}:A", f"{kind}:B") if k in times]
+        best = score(times, min(chosen, key=times.__getitem__)) if chosen else None
+        if kind == "switch" or best:
+            cells.append(f"{label} {best:.3f}" if best else f"{label} -")
     return ", ".join(cells)
+
+
+def _best_score(times: dict[str, float], kind: str) -> float | None:
+    return max((s for k in (f"{kind}:A", f"{kind}:B") if (s := score(times, k))),
+               default=None)
 
 
 def summary(results: dict[str, dict[str, float]]) -> list[str]:
     """``shape_line`` per shape, then the geometric mean and worst of the decoder's score
-    and of the per-step pick's over the shapes that have both."""
+    and of each kind's per-step pick over the shapes that have both."""
     lines = [shape_line(name, t) for name, t in results.items()]
-    pairs = [(p, b) for t in results.values()
-             if (p := score(t, "plugin")) and (b := max(
-                 (s for k in ("switch:A", "switch:B") if (s := score(t, k))), default=None))]
-    if pairs:
-        for label, values in (("decoder", [p for p, _ in pairs]),
-                              ("per-step pick", [b for _, b in pairs])):
-            lines.append(f"{label}: geomean {statistics.geometric_mean(values):.3f} "
+    for kind, label in (("switch", "per-step pick"), ("node", "per-step pick (node)")):
+        pairs = [(p, b) for t in results.values()
+                 if (p := score(t, "plugin")) and (b := _best_score(t, kind))]
+        if not pairs:
+            continue
+        rows = [("per-step pick", [b for _, b in pairs])] if kind == "node" else [
+            ("decoder", [p for p, _ in pairs]), ("per-step pick", [b for _, b in pairs])]
+        for name, values in rows:
+            name = label if name == "per-step pick" else name
+            lines.append(f"{name}: geomean {statistics.geometric_mean(values):.3f} "
                          f"worst {min(values):.3f} n {len(values)}")
     return lines
 
@@ -174,6 +236,10 @@ def main() -> None:
     missing = if_node_support()
     if missing:
         raise SystemExit(f"no if-node capture: {missing}")
+    kinds = KINDS
+    if (why := switch_node_support()) is not None:
+        kinds = ("switch",)
+        print(f"switch node left out: {why}", flush=True)
     routes = args.routes.split(",")
     if len(routes) != 2:
         raise SystemExit(f"--routes takes two routes, got {args.routes!r}")
@@ -195,8 +261,10 @@ def main() -> None:
                 print(f"{case.name}: skipped ({reasons})", flush=True)
                 continue
             try:
-                checks = replay_checks([k.call for k in pair], case.caches[0])
-                graphs = timed_graphs(case, pair)
+                checks = {}
+                for kind in kinds:
+                    checks.update(replay_checks([k.call for k in pair], case.caches[0], kind))
+                graphs = timed_graphs(case, pair, kinds)
             except Exception as error:  # the probe's question: record why, go on
                 writer.writerow([case.name, shape[1], "check", "", "",
                                  f"error={type(error).__name__}: {error}"])

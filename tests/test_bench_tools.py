@@ -1158,6 +1158,23 @@ def test_graph_switch_probe_summary_scores_the_faster_flagged_route(tmp_path):
     assert lines[3] == f"per-step pick: geomean {g_pick:.3f} worst 1.000 n 2"
 
 
+def test_graph_switch_probe_summary_scores_the_switch_node_beside_the_if_nodes(tmp_path):
+    """With ``node:*`` rows (one switch node), the probe reads their cost over each route
+    and their per-step pick beside the if-nodes' (``switch:*``)."""
+    import graph_switch_probe as probe
+
+    times = {"plugin": 20.0, "A": 20.0, "B": 12.0, "switch:A": 23.0, "switch:B": 15.0,
+             "node:A": 20.5, "node:B": 12.5, "peer:vllm-fa3-mla": 13.0}
+    line = probe.shape_line("s1", times)
+    assert line == ("s1, flags over A +3.00 us, flags over B +3.00 us, node over A +0.50 us, "
+                    "node over B +0.50 us, decoder 0.650, per-step pick 0.867, "
+                    "per-step pick (node) 1.040")
+    lines = probe.summary({"s1": times})
+    assert lines[1:] == ["decoder: geomean 0.650 worst 0.650 n 1",
+                         "per-step pick: geomean 0.867 worst 0.867 n 1",
+                         "per-step pick (node): geomean 1.040 worst 1.040 n 1"]
+
+
 def test_flashmla_fp8_builder_plan_schedules_the_step_into_fixed_buffers():
     """``bench_plan_host``'s stand-in for vLLM's FLASHMLA builder on an FP8 cache asks
     FlashMLA's dense FP8 scheduler for the step's lengths with ``max query x heads`` query

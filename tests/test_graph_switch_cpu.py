@@ -15,37 +15,54 @@ from test_splitk_kernel_cpu import _cuda_header
 
 from trtllm_mla_plugin.ops import graph_switch
 from trtllm_mla_plugin.ops.kernels import graph_if_node, nvcc_build
-from trtllm_mla_plugin.ops.kernels.graph_if_node import ConditionalParams, GraphNodeParams
+from trtllm_mla_plugin.ops.kernels.graph_if_node import (
+    ConditionalParams,
+    EdgeData,
+    GraphNodeParams,
+    KernelNodeParams,
+)
 
 NEEDS_HEADER = pytest.mark.skipif(_cuda_header() is None or shutil.which("g++") is None,
                                   reason="needs the CUDA toolkit's cuda.h and g++")
 
 
+def _offsets_program(struct: str, fields: list[str], label: str) -> str:
+    return (f'  std::printf("{label} %zu\\n", sizeof({struct}));\n'
+            + "".join(f'  std::printf("{label}.{n} %zu\\n", offsetof({struct}, {n}));\n'
+                      for n in fields))
+
+
 @NEEDS_HEADER
 def test_node_params_and_constants_match_cuda_h(tmp_path):
-    fields = [f[0] for f in ConditionalParams._fields_]
+    structs = {"cond": ("CUDA_CONDITIONAL_NODE_PARAMS", ConditionalParams),
+               "kernel": ("CUDA_KERNEL_NODE_PARAMS_v3", KernelNodeParams),
+               "edge": ("CUgraphEdgeData", EdgeData)}
     prog = tmp_path / "cond.cpp"
     prog.write_text(
         "#include <cstddef>\n#include <cstdio>\n#include <cuda.h>\nint main() {\n"
-        '  std::printf("cond %zu\\n", sizeof(CUDA_CONDITIONAL_NODE_PARAMS));\n'
-        + "".join(f'  std::printf("{n} %zu\\n", offsetof(CUDA_CONDITIONAL_NODE_PARAMS, {n}));\n'
-                  for n in fields)
-        + '  std::printf("node %zu %zu %zu\\n", sizeof(CUgraphNodeParams), '
-        "offsetof(CUgraphNodeParams, conditional), offsetof(CUgraphNodeParams, reserved2));\n"
-        '  std::printf("consts %d %d %d %d %d\\n", (int)CU_GRAPH_NODE_TYPE_CONDITIONAL, '
-        "(int)CU_GRAPH_COND_TYPE_IF, (int)CU_STREAM_CAPTURE_STATUS_ACTIVE, "
+        + "".join(_offsets_program(c_name, [f[0] for f in cls._fields_], label)
+                  for label, (c_name, cls) in structs.items())
+        + '  std::printf("node %zu %zu %zu %zu\\n", sizeof(CUgraphNodeParams), '
+        "offsetof(CUgraphNodeParams, kernel), offsetof(CUgraphNodeParams, conditional), "
+        "offsetof(CUgraphNodeParams, reserved2));\n"
+        '  std::printf("consts %d %d %d %d %d %d %d\\n", (int)CU_GRAPH_NODE_TYPE_KERNEL, '
+        "(int)CU_GRAPH_NODE_TYPE_CONDITIONAL, (int)CU_GRAPH_COND_TYPE_IF, "
+        "(int)CU_GRAPH_COND_TYPE_SWITCH, (int)CU_STREAM_CAPTURE_STATUS_ACTIVE, "
         "(int)CU_STREAM_SET_CAPTURE_DEPENDENCIES, (int)CU_STREAM_CAPTURE_MODE_RELAXED);\n}\n")
     exe = tmp_path / "cond"
     subprocess.run(["g++", f"-I{_cuda_header().parent}", "-o", str(exe), str(prog)], check=True)
     got = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in subprocess.run(
         [str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()}
-    assert got["cond"] == [ctypes.sizeof(ConditionalParams)]
-    for name in fields:
-        assert got[name] == [getattr(ConditionalParams, name).offset], name
-    assert got["node"] == [ctypes.sizeof(GraphNodeParams), GraphNodeParams.conditional.offset,
+    for label, (_, cls) in structs.items():
+        assert got[label] == [ctypes.sizeof(cls)], label
+        for name, *_ in cls._fields_:
+            assert got[f"{label}.{name}"] == [getattr(cls, name).offset], (label, name)
+    assert got["node"] == [ctypes.sizeof(GraphNodeParams), GraphNodeParams.kernel.offset,
+                           GraphNodeParams.conditional.offset,
                            GraphNodeParams.reserved2.offset]
-    assert got["consts"] == [graph_if_node.NODE_TYPE_CONDITIONAL, graph_if_node.COND_TYPE_IF,
-                             graph_if_node.CAPTURE_ACTIVE,
+    assert got["consts"] == [graph_if_node.NODE_TYPE_KERNEL,
+                             graph_if_node.NODE_TYPE_CONDITIONAL, graph_if_node.COND_TYPE_IF,
+                             graph_if_node.COND_TYPE_SWITCH, graph_if_node.CAPTURE_ACTIVE,
                              graph_if_node.SET_CAPTURE_DEPENDENCIES,
                              graph_if_node.CAPTURE_MODE_RELAXED]
 
@@ -73,6 +90,7 @@ def test_flag_kernel_builds_for_sm90(tmp_path, monkeypatch):
     monkeypatch.setenv("TRTLLM_MLA_CACHE_DIR", str(tmp_path))
     cubin = nvcc_build.build_cubin(graph_if_node.SOURCE, (9, 0))
     assert b"set_if_flag" in cubin.read_bytes()
+    assert b"set_switch_index" in cubin.read_bytes()
 
 
 @pytest.mark.parametrize("flag", [torch.zeros(2, dtype=torch.bool),
@@ -83,6 +101,28 @@ def test_if_node_takes_a_0_dim_bool_cuda_flag(flag):
     with pytest.raises(ValueError, match=r"0-dim torch\.bool CUDA tensor"), \
             graph_switch.if_node(flag):
         pass
+
+
+@pytest.mark.parametrize("index", [torch.zeros(2, dtype=torch.int32),
+                                   torch.zeros((), dtype=torch.bool),
+                                   torch.zeros((), dtype=torch.int32)],
+                         ids=["1-dim", "bool", "cpu"])
+def test_switch_node_takes_a_0_dim_int32_cuda_index(index):
+    with pytest.raises(ValueError, match=r"0-dim torch\.int32 CUDA tensor"):
+        graph_switch.switch_node(index, [lambda: None])
+
+
+def test_switch_node_support_needs_a_cuda_12_8_driver(monkeypatch):
+    monkeypatch.setattr(graph_if_node, "driver_version", lambda: 12040)
+    assert "12080" in graph_switch.switch_node_support()
+    monkeypatch.setattr(graph_if_node, "driver_version", lambda: None)
+    assert "12080" in graph_switch.switch_node_support()
+    monkeypatch.setattr(graph_if_node, "driver_version", lambda: 13000)
+    monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: None)
+    if hasattr(torch.cuda, "use_mem_pool"):
+        assert "nvcc" in graph_switch.switch_node_support()
+        monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: "/usr/bin/nvcc")
+        assert graph_switch.switch_node_support() is None
 
 
 def test_support_names_what_is_missing(monkeypatch):

@@ -1,9 +1,12 @@
-"""CUDA graph if-nodes (``ops.graph_switch``): a replay runs a captured block only while its
-flag is set, and two decode routes captured in one graph, each behind its flag, replay the
-flagged one on its own fresh plan (checked against float64) while the other leaves its
-output untouched."""
+"""CUDA graph conditional nodes (``ops.graph_switch``): a replay runs a captured block only
+while its flag is set (an if-node, by torch's capture or the driver API, its flag read in
+the stream's order or when the replay starts) or the branch its index names (a switch
+node); two decode routes captured in one graph replay the chosen one on its own fresh plan
+(checked against float64) while the other leaves its output untouched."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ from trtllm_mla_plugin.ops.graph_switch import (
     if_node,
     if_node_support,
     prepare_if_nodes,
+    switch_node,
+    switch_node_support,
     torch_has_if_nodes,
 )
 from trtllm_mla_plugin.ops.kernels.graph_if_node import driver_if_node, prepare
@@ -30,12 +35,16 @@ pytestmark = [*GPU_TEST_MARKS,
               pytest.mark.skipif(if_node_support() is not None,
                                  reason=f"no if-node capture: {if_node_support()}")]
 
-#: ``if_node`` (torch's capture where torch has it) and the driver-API way on its own.
-BLOCKS = {"if_node": if_node, "driver_if_node": driver_if_node}
+#: ``if_node`` (torch's capture where torch has it) and the driver-API way on its own, its
+#: flag read in the stream's order or by a root node.
+BLOCKS = {"if_node": if_node, "driver_if_node": driver_if_node,
+          "driver_if_node_root": functools.partial(driver_if_node, setter_at_root=True)}
+NEEDS_SWITCH = pytest.mark.skipif(switch_node_support() is not None,
+                                  reason=f"no switch node: {switch_node_support()}")
 
 
 def _ready(name: str, device: torch.device) -> None:
-    if name == "driver_if_node":
+    if name.startswith("driver"):
         prepare(device)
     else:
         prepare_if_nodes(device)
@@ -83,6 +92,13 @@ STEPS = [[300, 64, 2000, 1], [4000, 65, 1, 129], [64, 64, 64, 64], [1500, 9, 700
 @pytest.mark.parametrize("pair", PAIRS, ids=["+".join(p) for p in PAIRS])
 def test_two_routes_in_one_graph_replay_the_flagged_one(pair: tuple[str, str],
                                                         name: str) -> None:
+    _replay_two_routes(pair, name)
+
+
+def _replay_two_routes(pair: tuple[str, str], name: str) -> None:
+    """Captures both routes' decoders behind ``name`` (a ``BLOCKS`` key or
+    ``"switch_node"``) and replays steps of new lengths, each planned on the chosen route
+    only."""
     device = torch.device("cuda")
     problems = [make_problem(heads=16, block=64, lens=lens, q_lens=1, dtype=torch.bfloat16,
                              kv_dtype=torch.bfloat16, device=device, width=64)
@@ -91,7 +107,10 @@ def test_two_routes_in_one_graph_replay_the_flagged_one(pair: tuple[str, str],
     for route in pair:
         if (reason := route_skip_reason(route, first.spec, device)) is not None:
             pytest.skip(reason)
-    _ready(name, device)
+    if name == "switch_node":
+        prepare_if_nodes(device, driver=True)
+    else:
+        _ready(name, device)
     decoders = [MLADecoder(first.spec, device, max_batch_size=4, route=r, cuda_graph=True)
                 for r in pair]
     cache = torch.zeros(max(p.kv_cache.shape[0] for p in problems), 64, 576,
@@ -100,6 +119,7 @@ def test_two_routes_in_one_graph_replay_the_flagged_one(pair: tuple[str, str],
     query = first.query.clone()
     outs = [torch.empty(4, 16, 512, dtype=torch.bfloat16, device=device) for _ in pair]
     flags = torch.zeros(len(pair), dtype=torch.bool, device=device)
+    index = torch.zeros((), dtype=torch.int32, device=device)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -109,9 +129,13 @@ def test_two_routes_in_one_graph_replay_the_flagged_one(pair: tuple[str, str],
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for flag, decoder, out in zip(flags, decoders, outs, strict=True):
-            with BLOCKS[name](flag):
-                decoder.run(query, cache, out=out)
+        if name == "switch_node":
+            switch_node(index, [functools.partial(d.run, query, cache, out=o)
+                                for d, o in zip(decoders, outs, strict=True)])
+        else:
+            for flag, decoder, out in zip(flags, decoders, outs, strict=True):
+                with BLOCKS[name](flag):
+                    decoder.run(query, cache, out=out)
     for step, p in enumerate(problems[1:] + problems[:1]):
         chosen = step % len(pair)
         cache[: p.kv_cache.shape[0]].copy_(p.kv_cache)
@@ -121,6 +145,7 @@ def test_two_routes_in_one_graph_replay_the_flagged_one(pair: tuple[str, str],
         decoders[chosen].plan(p.batch)  # only the flagged route plans, as a switch would
         flags.zero_()
         flags[chosen] = True
+        index.fill_(chosen)
         for out in outs:
             out.fill_(float("nan"))
         graph.replay()
@@ -132,3 +157,33 @@ def test_two_routes_in_one_graph_replay_the_flagged_one(pair: tuple[str, str],
         rel_bound, max_bound = bounds(p)
         assert rel < rel_bound and worst < max_bound, (pair[chosen], step, rel, worst)
 
+
+
+@NEEDS_SWITCH
+def test_switch_node_replays_the_branch_its_index_names() -> None:
+    device = torch.device("cuda")
+    prepare_if_nodes(device, driver=True)
+    x = torch.randn(4096, device=device)
+    outs = [torch.empty_like(x) for _ in range(3)]
+    index = torch.zeros((), dtype=torch.int32, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        switch_node(index, [lambda i=i: outs[i].copy_(x * (i + 2) + 1) for i in range(3)])
+    for chosen in (2, 0, 1, 3, 0):  # 3: no branch
+        x.normal_()
+        for out in outs:
+            out.fill_(float("nan"))
+        index.fill_(chosen)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, out in enumerate(outs):
+            if i == chosen:
+                assert torch.equal(out, x * (i + 2) + 1)
+            else:
+                assert torch.isnan(out).all(), f"branch {i} ran with index {chosen}"
+
+
+@NEEDS_SWITCH
+@pytest.mark.parametrize("pair", PAIRS, ids=["+".join(p) for p in PAIRS])
+def test_two_routes_in_one_switch_node_replay_the_chosen_one(pair: tuple[str, str]) -> None:
+    _replay_two_routes(pair, "switch_node")

@@ -1,19 +1,25 @@
-"""Work in a CUDA graph that a replay runs only while a device flag is set: CUDA graph
-conditional nodes (if-nodes), so one captured graph can hold several decode routes and each
-replay run the one its step's plan flagged.
+"""Work in a CUDA graph that a replay runs only when device memory says so: CUDA graph
+conditional nodes, so one captured graph can hold several decode routes and each replay run
+the one its step's plan picked.
 
 ``if_node(flag)`` takes torch's own capture (``torch.cuda.CUDAGraph.begin_capture_to_if_node``,
 torch 2.13 and later: vLLM 0.33's torch 2.14) where there is one, else the same steps
-through the CUDA driver API (``kernels.graph_if_node``: its flag kernel is compiled with
-``nvcc`` at first use, as the cuda-splitk route's kernel is).
+through the CUDA driver API (``kernels.graph_if_node``: its kernel that reads the flag is
+compiled with ``nvcc`` at first use, as the cuda-splitk route's kernel is); a block's node
+and the kernel that reads its flag then sit on the path of the work around it.
+``switch_node(index, branches)`` (the driver API only) holds every branch in one node and
+reads ``index`` in a kernel that runs when the replay starts, off that path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 #: The ``torch.cuda.CUDAGraph`` methods of torch's if-node capture.
 TORCH_IF_NODE_METHODS = ("get_currently_capturing_graph", "begin_capture_to_if_node",
@@ -45,14 +51,54 @@ def if_node_support() -> str | None:
     return None
 
 
-def prepare_if_nodes(device: torch.device | str) -> None:
-    """What ``if_node`` needs on ``device`` made ready; call before capture (the driver-API
-    way loads its flag kernel and makes a stream, which capture does not allow; torch's own
-    needs nothing)."""
-    if not torch_has_if_nodes():
+def switch_node_support() -> str | None:
+    """``None`` where ``switch_node`` can capture on this machine, else why not."""
+    from .kernels.graph_if_node import SWITCH_MIN_DRIVER, driver_version
+
+    version = driver_version()
+    if version is None or version < SWITCH_MIN_DRIVER:
+        return f"CUDA driver {version}: switch nodes need {SWITCH_MIN_DRIVER} (CUDA 12.8)"
+    if not hasattr(torch.cuda, "use_mem_pool"):
+        return f"torch {torch.__version__} has no torch.cuda.use_mem_pool"
+    from .kernels.nvcc_build import find_nvcc
+
+    if find_nvcc() is None:
+        return "switch nodes compile their index kernel with nvcc, which is not here"
+    return None
+
+
+def prepare_if_nodes(device: torch.device | str, driver: bool = False) -> None:
+    """What ``if_node`` (and, with ``driver``, ``switch_node``) needs on ``device`` made
+    ready; call before capture (the driver-API way loads its kernels and makes a stream,
+    which capture does not allow; torch's own needs nothing)."""
+    if driver or not torch_has_if_nodes():
         from .kernels.graph_if_node import prepare
 
         prepare(torch.device(device))
+
+
+def switch_node(index: torch.Tensor, branches: Sequence[Callable[[], T]]) -> list[T]:
+    """Under CUDA graph capture: the work each of ``branches`` issues, in one switch node
+    whose replay runs branch ``index`` only.
+
+    Args:
+        index: ``[]`` (0-dim) ``torch.int32`` on the capturing device, at a fixed address:
+            read when each replay starts (write it before ``replay``); a value outside
+            ``range(len(branches))`` runs none.
+        branches: callables issuing each branch's work (called once each, at capture).
+
+    Returns each branch's result. Raises ``RuntimeError`` outside capture or on a device
+    not readied by ``prepare_if_nodes(device, driver=True)``.
+    """
+    if index.dim() != 0 or index.dtype != torch.int32 or not index.is_cuda:
+        raise ValueError(f"switch_node takes a 0-dim torch.int32 CUDA tensor, got "
+                         f"{index.dtype} of shape {tuple(index.shape)} on {index.device}")
+    if not torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("switch_node is for CUDA graph capture; the current stream is not "
+                           "capturing")
+    from .kernels.graph_if_node import driver_switch_node
+
+    return driver_switch_node(index, branches)
 
 
 @contextmanager

@@ -157,7 +157,8 @@ def _setters(device_index: int) -> CubinModule:
 
 @cache
 def _body_pool(device_index: int) -> torch.cuda.MemPool:
-    return torch.cuda.MemPool()
+    with torch.cuda.device(device_index):  # a pool belongs to the device current at creation
+        return torch.cuda.MemPool()
 
 
 @cache

@@ -124,14 +124,35 @@ def policy_row(r: dict, lens: list[int], graph: bool = False,
 #: What picks the plugin's row: the policy replayed with lengths (``eager``) or without
 #: (``graph``), the CUDA-graph decoder's own timed row (``measured``), the forced row of the
 #: route the decoder ran, its twin (``twin``: the same kernel and plan timed later in the
-#: shape; the decoder's row where the file has none), or the fastest of ``ORACLE_ROWS`` and
-#: that row per shape (``oracle``).
-RULES = ("eager", "graph", "measured", "twin", "oracle")
+#: shape; the decoder's row where the file has none), the fastest of ``ORACLE_ROWS`` and
+#: that row per shape (``oracle``), or the route a per-step switch between the graph
+#: decoder's routes would run from the step's lengths (``switch``: ``switch_row``).
+RULES = ("eager", "graph", "measured", "twin", "oracle", "switch")
 #: The routes a CUDA-graph decoder picks between for most bf16 batches (``ops.policy``'s
 #: graph rule: vLLM's FA3 kernel for small batches, FlashMLA for the rest).
 ORACLE_ROWS = ("vllm-fa3-mla", "flashmla")
 #: The CUDA-graph decoder's timed row, ``plugin-graph[<route>]`` (``decode_kernels.py``).
 GRAPH_ROW = "plugin-graph"
+
+
+def switch_row(r: dict, lens: list[int], ks: dict[str, dict],
+               graph_row: str | None) -> str | None:
+    """The row a CUDA graph holding the decoder's routes behind a per-step switch would run
+    for this bf16 shape: the eager rule's ranking (lengths known) with FlashInfer's FA3
+    read as vLLM's (the graph routes' FA3 kernel), its first route the shape has a row of
+    (``ORACLE_ROWS``, and ``cuda-splitk`` by the decoder's own row where the graph ran it);
+    ``None`` where none is timed."""
+    heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
+    spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
+    shape = policy.BatchShape(b, q, max(lens), sum(lens), lengths=tuple(lens))
+    rows = {n: n for n in ORACLE_ROWS}
+    if graph_row is not None and decoder_route(graph_row) == "cuda-splitk":
+        rows["cuda-splitk"] = graph_row
+    for name in policy.rank(spec, H200, shape):
+        name = "vllm-fa3-mla" if name == "flashinfer-fa3" else name
+        if name in rows and rows[name] in ks:
+            return rows[name]
+    return None
 
 
 def decoder_row(ks: dict[str, dict]) -> str | None:
@@ -202,7 +223,7 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
            rows: dict[str, dict[str, dict]] | None = None,
            join: str | None = None) -> list[tuple[float, str, str]]:
     """Per scored shape (best peer's time / the plugin's, shape, the plugin's row); with
-    rule ``oracle``, ``node_us`` is added to the plugin's time. ``rows``: the file's
+    rules ``oracle`` and ``switch``, ``node_us`` is added to the plugin's time. ``rows``: the file's
     ``timed_rows`` where already read. ``join``: the engine's query form modelled
     (``join_us``)."""
     out = []
@@ -227,8 +248,12 @@ def ratios(path: str, lens: dict[str, list[int]], rule: str = "eager",
             # second timing of one of ORACLE_ROWS, whose minimum would favour noise.
             if graph_row is not None and decoder_route(graph_row) not in ORACLE_ROWS:
                 timed.append(graph_row)
-            name = (min(timed, key=lambda n: float(ks[n]["us"]))
+            name = (min(timed, key=lambda n: engine_us(ks, n, join))
                     if all(n in ks for n in ORACLE_ROWS) else None)
+            extra_us = node_us
+        elif rule == "switch":
+            both = all(n in ks for n in ORACLE_ROWS)
+            name = switch_row(any_row, lens[shape], ks, graph_row) if both else None
             extra_us = node_us
         else:
             name = policy_row(any_row, lens[shape], graph=rule == "graph", timed=ks)

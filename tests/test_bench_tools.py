@@ -784,6 +784,58 @@ def test_oracle_scores_the_faster_route_per_shape_plus_its_node_cost(tmp_path):
                                                              50.0 / 40.0])
 
 
+def test_oracle_picks_by_the_engine_time_with_the_query_join(tmp_path):
+    """With ``--query-join``, the oracle picks the route whose time with its join is lower:
+    FlashMLA, 1 us faster raw but reading the query whole, loses to vLLM's FA3 kernel, which
+    reads it in parts, once the join is added (the pick by raw time scored this shape at
+    the joined FlashMLA's time)."""
+    import evaluate_policy
+
+    head = "pass_no,shape,heads,batch,q_len,block,kv,kernel,status,us\n"
+    row = "1,h128 b225 q2 bf16 p64,128,225,2,64,bf16,"
+    path = tmp_path / "random-1.csv"
+    path.write_text(head + "".join(f"{row}{k},ok,{us}\n" for k, us in (
+        ("vllm-fa3-mla", 211.6), ("flashmla", 210.6), ("peer:vllm-fa3-mla", 210.0),
+        ("peer:vllm-flashmla", 210.8))))
+    (ratio, _, name), = evaluate_policy.ratios(str(path), {}, "oracle", join="fused")
+    assert name == "vllm-fa3-mla" and ratio == pytest.approx(210.0 / 211.6)
+
+
+def test_switch_scores_the_eager_rules_pick_among_the_graph_routes(tmp_path):
+    """``evaluate_policy --switch``: per bf16 shape the eager rule's ranking from the
+    shape's lengths, FlashInfer's FA3 read as vLLM's, its first route among the graph
+    decoder's (``cuda-splitk`` by the decoder's row where the graph ran it), plus
+    ``node_us``; shapes without both graph routes' rows are not scored."""
+    import evaluate_policy
+
+    head = "pass_no,shape,heads,batch,q_len,block,kv,kernel,status,us\n"
+    short = "1,h16 b8 300 u q1 bf16 p64,16,8,1,64,bf16,"
+    long = "1,h64 b4 40000 u q1 bf16 p64,64,4,1,64,bf16,"
+    body = "".join(f"{short}{k},ok,{us}\n" for k, us in (
+        ("vllm-fa3-mla", 20.0), ("flashmla", 25.0), ("peer:vllm-fa3-mla", 20.0)))
+    body += "".join(f"{long}{k},ok,{us}\n" for k, us in (
+        ("vllm-fa3-mla", 110.0), ("flashmla", 100.0), ("peer:vllm-fa3-mla", 105.0)))
+    path = tmp_path / "random-1.csv"
+    path.write_text(head + body)
+    lens = {"h16 b8 300 u q1 bf16 p64": [300] * 8, "h64 b4 40000 u q1 bf16 p64": [40000] * 4}
+    got = {s: (r, n) for r, s, n in evaluate_policy.ratios(str(path), lens, "switch",
+                                                              node_us=1.0)}
+    # The eager rule ranks FlashInfer's FA3 first for the short batch (read as vLLM's FA3
+    # kernel, not the FlashMLA that follows it) and vLLM's FA3 kernel first for the long
+    # one (few requests, many KV tokens), though FlashMLA is faster there: a rule, not the
+    # oracle.
+    expected = {"h16 b8 300 u q1 bf16 p64": "vllm-fa3-mla",
+                "h64 b4 40000 u q1 bf16 p64": "vllm-fa3-mla"}
+    assert {s: n for s, (_, n) in got.items()} == expected
+    us = {("h16 b8 300 u q1 bf16 p64", "vllm-fa3-mla"): 20.0,
+          ("h16 b8 300 u q1 bf16 p64", "flashmla"): 25.0,
+          ("h64 b4 40000 u q1 bf16 p64", "vllm-fa3-mla"): 110.0,
+          ("h64 b4 40000 u q1 bf16 p64", "flashmla"): 100.0}
+    peer = {"h16 b8 300 u q1 bf16 p64": 20.0, "h64 b4 40000 u q1 bf16 p64": 105.0}
+    for shape, (ratio, name) in got.items():
+        assert ratio == pytest.approx(peer[shape] / (us[shape, name] + 1.0))
+
+
 def test_graph_bounds_search_replays_each_bound_and_restores_the_policy(tmp_path):
     """``evaluate_policy --search-graph-bounds``: each bound combination replays the
     CUDA-graph rule (b40 goes to vLLM's FA3 kernel only under a batch bound of >= 40, b200

@@ -77,6 +77,17 @@ def prepare_if_nodes(device: torch.device | str, driver: bool = False) -> None:
         prepare(torch.device(device))
 
 
+def _check_capturing(what: str, value: torch.Tensor, dtype: torch.dtype) -> None:
+    """``ValueError`` unless ``value`` is a 0-dim CUDA tensor of ``dtype``; ``RuntimeError``
+    unless the current stream captures a CUDA graph."""
+    if value.dim() != 0 or value.dtype != dtype or not value.is_cuda:
+        raise ValueError(f"{what} takes a 0-dim {dtype} CUDA tensor, got {value.dtype} of "
+                         f"shape {tuple(value.shape)} on {value.device}")
+    if not torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{what} is for CUDA graph capture; the current stream is not "
+                           "capturing")
+
+
 def switch_node(index: torch.Tensor, branches: Sequence[Callable[[], T]]) -> list[T]:
     """Under CUDA graph capture: the work each of ``branches`` issues, in one switch node
     whose replay runs branch ``index`` only.
@@ -90,12 +101,7 @@ def switch_node(index: torch.Tensor, branches: Sequence[Callable[[], T]]) -> lis
     Returns each branch's result. Raises ``RuntimeError`` outside capture or on a device
     not readied by ``prepare_if_nodes(device, driver=True)``.
     """
-    if index.dim() != 0 or index.dtype != torch.int32 or not index.is_cuda:
-        raise ValueError(f"switch_node takes a 0-dim torch.int32 CUDA tensor, got "
-                         f"{index.dtype} of shape {tuple(index.shape)} on {index.device}")
-    if not torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("switch_node is for CUDA graph capture; the current stream is not "
-                           "capturing")
+    _check_capturing("switch_node", index, torch.int32)
     from .kernels.graph_if_node import driver_switch_node
 
     return driver_switch_node(index, branches)
@@ -113,12 +119,7 @@ def if_node(flag: torch.Tensor) -> Iterator[None]:
     Raises ``RuntimeError`` outside capture (callers run the work they want directly) and,
     for the driver-API way, on a device not readied by ``prepare_if_nodes``.
     """
-    if flag.dim() != 0 or flag.dtype != torch.bool or not flag.is_cuda:
-        raise ValueError(f"if_node takes a 0-dim torch.bool CUDA tensor, got {flag.dtype} "
-                         f"of shape {tuple(flag.shape)} on {flag.device}")
-    if not torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("if_node is for CUDA graph capture; the current stream is not "
-                           "capturing")
+    _check_capturing("if_node", flag, torch.bool)
     if torch_has_if_nodes():
         graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
         graph.begin_capture_to_if_node(flag)

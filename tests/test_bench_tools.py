@@ -1959,3 +1959,61 @@ def test_band16_bound_replay_moves_only_the_band_below_the_bound(tmp_path, capsy
     line = capsys.readouterr().out.strip()
     assert line.startswith("FA3 below   97: g: 4 shapes") and "under 1" in line
     assert f"{math.exp((math.log(1.1) + math.log(0.8)) / 4):.3f} worst 0.800" in line
+
+
+def test_fit_switch_rule_span_is_the_span_of_the_routes_own_plan(monkeypatch):
+    """``fit_switch_rule.route_plan_span``: for a batch the ``vllm-fa3-mla`` route replans
+    (128 requests of 1-8.6k tokens, 16 heads, under CUDA graphs), the estimated span of the
+    splits the route itself writes into FA3's metadata (the route run on the CPU with a
+    stand-in FA3 module)."""
+    import fit_switch_rule
+    import numpy as np
+    from test_vllm_fa3_contract import FA3_MODULE, FakeFA3
+
+    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits
+    from trtllm_mla_plugin.ops.routes import vllm_fa3_mla
+
+    monkeypatch.setitem(sys.modules, FA3_MODULE, FakeFA3(metadata_len=1 + 128 * 4))
+    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
+    spec = DecodeSpec(16, 512, 64, 64, torch.bfloat16, torch.bfloat16, 0.1, 1)
+    route = vllm_fa3_mla.VllmFA3MLARoute(spec, torch.device("cpu"), 128, cuda_graph=True)
+    lens = [int(x) for x in np.random.default_rng(3).integers(1024, 8600, 128)]
+    host = torch.tensor(lens, dtype=torch.int32)
+    route.plan(DecodeBatch(torch.zeros(128, 140, dtype=torch.int32), host, max(lens),
+                           kv_tokens=sum(lens), seq_lens_host=host.clone(), persistent=True))
+    offset = vllm_fa3_mla.fa3_splits_offset(128)
+    written = route._scheduler[offset: offset + 128].numpy().astype(np.float64)
+    assert written.max() > 1  # the route replanned (the stand-in's own metadata is all 1)
+    tiles = -(-np.asarray(sorted(lens, reverse=True)) // 64)  # the route's launch order
+    expected = fa3_splits.estimated_span(tiles, written[:, None], 1, route._sms,
+                                         fa3_splits.split_cost_tiles(16.0))[0]
+    assert fit_switch_rule.route_plan_span(16, 1, lens, route._sms) == pytest.approx(expected)
+
+
+def test_fit_switch_rule_recovers_a_linear_log_ratio_and_scores_its_picks():
+    """``fit_switch_rule.fit`` returns the coefficients of a log time ratio that is linear
+    in ``features``; ``scores`` picks FlashMLA where the fitted line is negative and scores
+    each pick, FA3 alone and the faster per shape against the best peer."""
+    import random
+
+    import fit_switch_rule as rule
+    import numpy as np
+
+    rng = random.Random(5)
+    truth = np.array([0.3, -0.5, 0.2, 0.01, 0.05, 0.02, -0.1])
+    shapes = []
+    for i in range(60):
+        lens = [rng.randint(100, 20000) for _ in range(rng.randint(2, 300))]
+        s = rule.Shape(f"s{i}", rng.choice([8, 16, 64, 128]), rng.randint(1, 4), lens,
+                       span=rng.uniform(300.0, 900.0), fa3_us=100.0, flashmla_us=0.0,
+                       best_peer_us=90.0)
+        s.flashmla_us = 100.0 * math.exp(float(np.dot(rule.features(s), truth)))
+        shapes.append(s)
+    coef = rule.fit(shapes)
+    assert coef == pytest.approx(truth, abs=1e-9)
+    got = rule.scores(shapes, coef)
+    for s, r, fa, best in zip(shapes, got["rule"], got["fa3 only"], got["oracle"],
+                              strict=True):
+        assert fa == pytest.approx(0.9)
+        assert best == pytest.approx(90.0 / min(100.0, s.flashmla_us))
+        assert r == pytest.approx(best)  # the exact line picks the faster every time

@@ -65,10 +65,13 @@ class Shape:
     best_peer_us: float
 
 
-def route_plan_span(heads: int, q_len: int, lens: list[int], sms: int = SMS) -> float:
+def route_plan_span(heads: int, q_len: int, lens: list[int], sms: int = SMS,
+                    replan: bool = True) -> float:
     """``fa3_splits.estimated_span`` of the splits the ``vllm-fa3-mla`` route plans under
     CUDA graphs for one step of ``lens`` (uniform ``q_len``): FA3's formula under the cap
-    ``graph_splits`` gives, or ``balanced_splits``' replan where it makes one."""
+    ``graph_splits`` gives, or (``replan``) ``balanced_splits``' replan where it makes one.
+    Without ``replan``: FA3's formula alone, what a rule could afford to work out on the
+    host every step (``balanced_splits`` searches)."""
     spec = DecodeSpec(heads, 512, 64, 64, torch.bfloat16, torch.bfloat16, 0.1, q_len)
     host = torch.tensor(lens, dtype=torch.int32)
     batch = DecodeBatch(torch.zeros(len(lens), 1, dtype=torch.int32), host, max(lens),
@@ -80,7 +83,7 @@ def route_plan_span(heads: int, q_len: int, lens: list[int], sms: int = SMS) -> 
     kv_tiles = -(-np.asarray(lens, dtype=np.int64) // policy.FA3_KV_TILE)
     n = np.maximum(kv_tiles, 1)
     splits = fa3_splits.fa3_splits(n, tiles, planned, sms)
-    if planned >= 2 and fa3_splits.may_spill(tiles * len(lens), sms,
+    if replan and planned >= 2 and fa3_splits.may_spill(tiles * len(lens), sms,
                                              fa3_splits.widest_band(heads * q_len)):
         balanced = fa3_splits.balanced_splits(kv_tiles, tiles, reserved, sms, rows_per_tile,
                                               planned)
@@ -103,8 +106,9 @@ def features(s: Shape, sms: int = SMS) -> list[float]:
             math.log(b), math.log(kv_tiles / b), tiles * b / sms, math.log(even)]
 
 
-def load(shapes_path: str, pattern: str) -> list[Shape]:
-    """The bf16 shapes of ``pattern``'s files (bench_decode CSVs) with both routes' rows."""
+def load(shapes_path: str, pattern: str, replan: bool = True) -> list[Shape]:
+    """The bf16 shapes of ``pattern``'s files (bench_decode CSVs) with both routes' rows
+    (``replan``: as ``route_plan_span``)."""
     lens = read_shapes_log(shapes_path)
     out = []
     for path in sorted(glob.glob(pattern)):
@@ -119,7 +123,7 @@ def load(shapes_path: str, pattern: str) -> list[Shape]:
                 continue
             heads, q_len = int(row["heads"]), int(row["q_len"])
             out.append(Shape(name, heads, q_len, lens[name],
-                             route_plan_span(heads, q_len, lens[name]),
+                             route_plan_span(heads, q_len, lens[name], replan=replan),
                              engine_us(ks, "vllm-fa3-mla", JOIN), engine_us(ks, "flashmla", JOIN),
                              min(peers.values())))
     return out
@@ -157,9 +161,13 @@ def main() -> None:
                     metavar=("SHAPES_JSONL", "CSV_GLOB"))
     ap.add_argument("--check", nargs=2, action="append", default=[],
                     metavar=("SHAPES_JSONL", "CSV_GLOB"))
+    ap.add_argument("--span", choices=("route", "fa3"), default="route",
+                    help="the plan whose span is a feature: the route's (with its replan) "
+                    "or FA3's formula alone (route_plan_span's replan)")
     args = ap.parse_args()
-    fit_set = [s for shapes, pattern in args.fit for s in load(shapes, pattern)]
-    check_set = [s for shapes, pattern in args.check for s in load(shapes, pattern)]
+    replan = args.span == "route"
+    fit_set = [s for shapes, pattern in args.fit for s in load(shapes, pattern, replan)]
+    check_set = [s for shapes, pattern in args.check for s in load(shapes, pattern, replan)]
     coef = fit(fit_set)
     print("coefficients:", " ".join(f"{c:+.4f}" for c in coef))
     for label, shapes in (("fit", fit_set), ("check", check_set)):

@@ -1988,6 +1988,13 @@ def test_fit_switch_rule_span_is_the_span_of_the_routes_own_plan(monkeypatch):
     expected = fa3_splits.estimated_span(tiles, written[:, None], 1, route._sms,
                                          fa3_splits.split_cost_tiles(16.0))[0]
     assert fit_switch_rule.route_plan_span(16, 1, lens, route._sms) == pytest.approx(expected)
+    # Without the replan: FA3's formula under the cap the route planned with.
+    own = fa3_splits.fa3_splits(tiles, 1, route._planned_splits, route._sms)
+    formula = fa3_splits.estimated_span(tiles, own.astype(np.float64)[:, None], 1, route._sms,
+                                        fa3_splits.split_cost_tiles(16.0))[0]
+    assert formula > expected  # the replan was worth making
+    assert fit_switch_rule.route_plan_span(16, 1, lens, route._sms, replan=False) == (
+        pytest.approx(formula))
 
 
 def test_fit_switch_rule_recovers_a_linear_log_ratio_and_scores_its_picks():

@@ -68,6 +68,8 @@ from trtllm_mla_plugin.ops.graph_switch import (
 #: work); ``node``, one switch node (``switch_node``, the driver API; its index read by a
 #: kernel that runs when the replay starts).
 KINDS = ("switch", "node")
+#: Each kind with the label of its per-step pick.
+PICK_LABELS = (("switch", "per-step pick"), ("node", "per-step pick (node)"))
 
 
 def switched(calls: list[Callable], flags: torch.Tensor) -> Callable:
@@ -179,7 +181,7 @@ def shape_line(name: str, times: dict[str, float]) -> str:
                              f"{times[f'{kind}:{label}'] - times[label]:+.2f} us")
     plugin = score(times, "plugin")
     cells.append(f"decoder {plugin:.3f}" if plugin else "decoder -")
-    for kind, label in (("switch", "per-step pick"), ("node", "per-step pick (node)")):
+    for kind, label in PICK_LABELS:
         chosen = [k for k in (f"{kind}:A", f"{kind}:B") if k in times]
         best = score(times, min(chosen, key=times.__getitem__)) if chosen else None
         if kind == "switch" or best:
@@ -192,21 +194,26 @@ def _best_score(times: dict[str, float], kind: str) -> float | None:
                default=None)
 
 
+def _stat_line(label: str, values: list[float]) -> str:
+    return (f"{label}: geomean {statistics.geometric_mean(values):.3f} "
+            f"worst {min(values):.3f} n {len(values)}")
+
+
 def summary(results: dict[str, dict[str, float]]) -> list[str]:
     """``shape_line`` per shape, then the geometric mean and worst of the decoder's score
-    and of each kind's per-step pick over the shapes that have both."""
+    and of each kind's per-step pick over the shapes that have both (the decoder's over
+    those of the first kind timed)."""
     lines = [shape_line(name, t) for name, t in results.items()]
-    for kind, label in (("switch", "per-step pick"), ("node", "per-step pick (node)")):
+    decoder_done = False
+    for kind, label in PICK_LABELS:
         pairs = [(p, b) for t in results.values()
                  if (p := score(t, "plugin")) and (b := _best_score(t, kind))]
         if not pairs:
             continue
-        rows = [("per-step pick", [b for _, b in pairs])] if kind == "node" else [
-            ("decoder", [p for p, _ in pairs]), ("per-step pick", [b for _, b in pairs])]
-        for name, values in rows:
-            name = label if name == "per-step pick" else name
-            lines.append(f"{name}: geomean {statistics.geometric_mean(values):.3f} "
-                         f"worst {min(values):.3f} n {len(values)}")
+        if not decoder_done:
+            lines.append(_stat_line("decoder", [p for p, _ in pairs]))
+            decoder_done = True
+        lines.append(_stat_line(label, [b for _, b in pairs]))
     return lines
 
 

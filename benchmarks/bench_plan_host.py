@@ -228,13 +228,13 @@ def main() -> None:
     device = torch.device("cuda")
     rows, profiles = [], []
     routes = set(args.routes.split(","))
+    width = table_width(stream_steps(args.reps, args.host_profile))
     for route, kv, host in (c for c in CASES if c[0] in routes):
         kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
         spec = DecodeSpec(args.heads, 512, 64, 64, torch.bfloat16, kv_dtype, 1 / 192**0.5)
         forced = None if route == "policy" or route.startswith("peer:") else route
         spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), forced))
         for b in (int(x) for x in args.batches.split(",")):
-            width = table_width(stream_steps(args.reps, args.host_profile))
             batch = batch_for(b, args.heads, random.Random(b), width, device)
             if not host:
                 batch = replace(batch, seq_lens_host=None)

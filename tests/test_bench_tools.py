@@ -2024,3 +2024,19 @@ def test_fit_switch_rule_recovers_a_linear_log_ratio_and_scores_its_picks():
         assert fa == pytest.approx(0.9)
         assert best == pytest.approx(90.0 / min(100.0, s.flashmla_us))
         assert r == pytest.approx(best)  # the exact line picks the faster every time
+
+
+def test_conditional_node_cost_is_each_kinds_median_over_plains(tmp_path):
+    """``conditional_node_cost``: a kind's cost is its median us per call over the rounds
+    less ``plain``'s median, read back from its ``--out`` file."""
+    import conditional_node_cost as cost
+
+    path = tmp_path / "cost.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kind", "calls", "rounds_us"])
+        w.writerow(["plain", 64, "2.0 2.2 2.1"])
+        w.writerow(["if", 64, "4.0 3.1 3.2"])
+        w.writerow(["switch", 64, "2.3 2.4 9.0"])
+    got = cost.costs(cost.read(path))
+    assert got == pytest.approx({"if": 3.2 - 2.1, "switch": 2.4 - 2.1})

@@ -158,7 +158,6 @@ def _replay_two_routes(pair: tuple[str, str], name: str) -> None:
         assert rel < rel_bound and worst < max_bound, (pair[chosen], step, rel, worst)
 
 
-
 @NEEDS_SWITCH
 def test_switch_node_replays_the_branch_its_index_names() -> None:
     device = torch.device("cuda")

@@ -101,16 +101,26 @@ def join_us(kernel: str, r: dict, join: str | None, plugin: bool) -> float:
     return fixed + 2 * rows * 1152 / (gbps * 1e3)
 
 
+def spec_and_shape(r: dict, lens: list[int],
+                   graph: bool = False) -> tuple[DecodeSpec, policy.BatchShape]:
+    """A bf16 row's decode spec and the batch the policy sees: its lengths, or (``graph``)
+    batch size and query length only."""
+    b, q = int(r["batch"]), int(r["q_len"])
+    spec = DecodeSpec(int(r["heads"]), 512, 64, int(r["block"]), torch.bfloat16,
+                      torch.bfloat16, 0.1, q)
+    shape = (policy.BatchShape(b, q) if graph
+             else policy.BatchShape(b, q, max(lens), sum(lens), lengths=tuple(lens)))
+    return spec, shape
+
+
 def policy_row(r: dict, lens: list[int], graph: bool = False,
                timed: Container[str] = tuple(ROUTE_ROWS.values())) -> str:
     """Row name of the kernel the current policy runs for this bf16 shape: the first route
     of ``policy.rank`` that this bench timed (``timed``: the shape's row names) and that
     can serve the page size; a file without ``route:cuda-splitk`` rows is scored as a
     machine without nvcc runs (the ranking after it)."""
-    heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
-    spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
-    shape = (policy.BatchShape(b, q) if graph
-             else policy.BatchShape(b, q, max(lens), sum(lens), lengths=tuple(lens)))
+    spec, shape = spec_and_shape(r, lens, graph)
+    b = shape.batch_size
     name = next(n for n in policy.rank(spec, H200, shape)
                 if n in ROUTE_ROWS and (n != "flashmla" or r["block"] == "64")
                 and (n != "cuda-splitk" or ROUTE_ROWS[n] in timed))
@@ -142,9 +152,7 @@ def switch_row(r: dict, lens: list[int], ks: dict[str, dict],
     read as vLLM's (the graph routes' FA3 kernel), its first route the shape has a row of
     (``ORACLE_ROWS``, and ``cuda-splitk`` by the decoder's own row where the graph ran it);
     ``None`` where none is timed."""
-    heads, b, q = int(r["heads"]), int(r["batch"]), int(r["q_len"])
-    spec = DecodeSpec(heads, 512, 64, int(r["block"]), torch.bfloat16, torch.bfloat16, 0.1, q)
-    shape = policy.BatchShape(b, q, max(lens), sum(lens), lengths=tuple(lens))
+    spec, shape = spec_and_shape(r, lens)
     rows = {n: n for n in ORACLE_ROWS}
     if graph_row is not None and decoder_route(graph_row) == "cuda-splitk":
         rows["cuda-splitk"] = graph_row

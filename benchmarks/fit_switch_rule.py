@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from evaluate_policy import engine_peer_times, engine_us, read_shapes_log, timed_rows
 
 from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits, policy
-from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_splits
+from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_replan, graph_splits
 
 SMS = policy.HOPPER_SMS
 JOIN = "fused"
@@ -80,13 +80,10 @@ def route_plan_span(heads: int, q_len: int, lens: list[int], sms: int = SMS,
     reserved, planned = graph_splits(spec, batch, sms)
     tiles = policy.query_tiles(spec, q_len)
     rows_per_tile = policy.query_tile_rows(spec, q_len)
-    kv_tiles = -(-np.asarray(lens, dtype=np.int64) // policy.FA3_KV_TILE)
-    n = np.maximum(kv_tiles, 1)
+    n = np.maximum(-(-np.asarray(lens, dtype=np.int64) // policy.FA3_KV_TILE), 1)
     splits = fa3_splits.fa3_splits(n, tiles, planned, sms)
-    if replan and planned >= 2 and fa3_splits.may_spill(tiles * len(lens), sms,
-                                             fa3_splits.widest_band(heads * q_len)):
-        balanced = fa3_splits.balanced_splits(kv_tiles, tiles, reserved, sms, rows_per_tile,
-                                              planned)
+    if replan:
+        balanced = graph_replan(spec, q_len, np.asarray(lens), reserved, planned, sms)
         if balanced is not None:
             splits = balanced
     plan = np.asarray(splits, dtype=np.float64)[:, None]

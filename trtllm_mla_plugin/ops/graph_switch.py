@@ -37,17 +37,24 @@ def if_node_support() -> str | None:
     if torch_has_if_nodes():
         return None
     from .kernels.graph_if_node import missing_driver_functions
-    from .kernels.nvcc_build import find_nvcc
 
     missing = missing_driver_functions()
     if missing:
         return (f"torch {torch.__version__} has no if-node capture and the CUDA driver lacks "
                 f"{', '.join(missing)} (needs a driver of CUDA 12.4 or later)")
+    why = _driver_way_missing()
+    return None if why is None else f"torch {torch.__version__} has no if-node capture; {why}"
+
+
+def _driver_way_missing() -> str | None:
+    """What the driver-API way lacks here besides the driver (``None``: nothing)."""
+    from .kernels.nvcc_build import find_nvcc
+
     if not hasattr(torch.cuda, "use_mem_pool"):
-        return f"torch {torch.__version__} has neither if-node capture nor torch.cuda.use_mem_pool"
+        return f"torch {torch.__version__} has no torch.cuda.use_mem_pool"
     if find_nvcc() is None:
-        return (f"torch {torch.__version__} has no if-node capture, and the driver-API way "
-                "compiles its flag kernel with nvcc, which is not here (CUDA_HOME or PATH)")
+        return ("the driver-API way compiles its kernels with nvcc, which is not here "
+                "(CUDA_HOME or PATH)")
     return None
 
 
@@ -58,13 +65,7 @@ def switch_node_support() -> str | None:
     version = driver_version()
     if version is None or version < SWITCH_MIN_DRIVER:
         return f"CUDA driver {version}: switch nodes need {SWITCH_MIN_DRIVER} (CUDA 12.8)"
-    if not hasattr(torch.cuda, "use_mem_pool"):
-        return f"torch {torch.__version__} has no torch.cuda.use_mem_pool"
-    from .kernels.nvcc_build import find_nvcc
-
-    if find_nvcc() is None:
-        return "switch nodes compile their index kernel with nvcc, which is not here"
-    return None
+    return _driver_way_missing()
 
 
 def prepare_if_nodes(device: torch.device | str, driver: bool = False) -> None:

@@ -141,6 +141,24 @@ def graph_splits(spec: DecodeSpec, batch: DecodeBatch, sms: int) -> tuple[int, i
     return reserved, planned
 
 
+def graph_replan(spec: DecodeSpec, max_q_len: int, lens: np.ndarray, reserved: int,
+                 planned: int, sms: int, spill: float | None = None,
+                 search=fa3_splits.balanced_splits) -> np.ndarray | None:
+    """The splits the route writes over FA3's under CUDA graphs for a step of ``lens``
+    (``[batch]`` KV lengths, host) under the cap ``planned`` of ``reserved``
+    (``graph_splits``): ``search``'s (``fa3_splits.balanced_splits`` or a
+    ``RepeatedBatchSplits``) where the plan has per-request splits and FA3's may spill
+    into the band (``spill``: the band's bound instead of ``fa3_splits.spill_band``'s),
+    else ``None`` (FA3's own)."""
+    tiles = policy.query_tiles(spec, max_q_len)
+    widest = fa3_splits.widest_band(spec.num_heads * max_q_len) if spill is None else spill
+    if planned < 2 or not fa3_splits.may_spill(tiles * lens.shape[0], sms, widest):
+        return None
+    kv_tiles = -(-lens.astype(np.int64) // policy.FA3_KV_TILE)
+    return search(kv_tiles, tiles, reserved, sms, policy.query_tile_rows(spec, max_q_len),
+                  planned, spill)
+
+
 class LengthOrder:
     """Persistent copies of a step's per-request tables in length order (longest first),
     for FA3 launches that read the batch in that order: FA3's persistent grid takes work
@@ -340,18 +358,11 @@ class VllmFA3MLARoute(DecodeRoute):
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
-        tiles = policy.query_tiles(self.spec, batch.max_q_len)
-        rows_per_tile = policy.query_tile_rows(self.spec, batch.max_q_len)
-        spill = self.spill_override
-        widest = (fa3_splits.widest_band(self.spec.num_heads * batch.max_q_len)
-                  if spill is None else spill)
-        if (not wanted or self._planned_splits < 2 or lens_host is None
-                or not fa3_splits.may_spill(tiles * batch.batch_size, self._sms, widest)):
+        if not wanted or lens_host is None:
             return None
-        lens = lens_host.astype(np.int64)
-        return self._splits_of(
-            -(-lens // policy.FA3_KV_TILE), tiles, self._reserved_splits, self._sms,
-            rows_per_tile, self._planned_splits, spill)
+        return graph_replan(self.spec, batch.max_q_len, lens_host, self._reserved_splits,
+                            self._planned_splits, self._sms, self.spill_override,
+                            self._splits_of)
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
         """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3

@@ -16,6 +16,10 @@ step does so as often as in decode. Writes ``DIR/plan_host.csv`` (route, lengths
 batch, GPU state, median and mean host us per plan); with ``--host-profile`` also
 ``DIR/plan_profile.txt``, each plan's functions by host time (``host_profile``).
 
+Row ``vllm-fa3-mla:fresh-splits``: that route searching its balanced splits every step
+(``fa3_splits.balanced_splits``) instead of answering a step of the same KV tiles with the
+previous answer (``fa3_splits.RepeatedBatchSplits``, the route's own): what the repeat saves,
+read within one run (``--rounds`` alternates the cases' order round by round).
 Row ``policy``: the decoder an engine builds (every route its CUDA-graph ranking can pick,
 the route ranked per batch). Row
 ``peer:vllm-fa3-mla``: the per-step work of vLLM's own FLASH_ATTN_MLA builder under full
@@ -53,13 +57,21 @@ from decode_kernels import (  # this folder is on sys.path when a file of it run
     vllm_fa3_scheduler_metadata,
 )
 
-from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype, policy
+from trtllm_mla_plugin.ops import (
+    DecodeBatch,
+    DecodeSpec,
+    MLADecoder,
+    engine_query_dtype,
+    fa3_splits,
+    policy,
+)
 from trtllm_mla_plugin.ops.platform import platform_of
 
 #: (route, KV dtype, host lengths given)
 CASES = [("flashinfer-fa3", "bf16", True), ("flashinfer-fa3", "bf16", False),
          ("flashmla", "bf16", True), ("flashmla-fp8", "fp8", True),
-         ("vllm-fa3-mla", "bf16", True), ("peer:vllm-fa3-mla", "bf16", True),
+         ("vllm-fa3-mla", "bf16", True), ("vllm-fa3-mla:fresh-splits", "bf16", True),
+         ("peer:vllm-fa3-mla", "bf16", True),
          ("peer:vllm-flashmla-fp8", "fp8", True), ("policy", "bf16", True)]
 #: Requests the ``policy`` decoder is built for (as an engine's ``max_num_seqs``): it holds
 #: every route its CUDA-graph ranking can pick and ranks each batch.
@@ -212,6 +224,30 @@ def host_profile(dec, steps: Iterator, calls: int = PROFILE_CALLS, top: int = 15
     return text.getvalue()
 
 
+def case_decoder(route: str, kv: str, host: bool, b: int, heads: int, width: int,
+                 device: torch.device) -> tuple[object, Iterator[DecodeBatch]]:
+    """The planner of one case (``CASES``) for ``b`` requests and its decode stream."""
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    spec = DecodeSpec(heads, 512, 64, 64, torch.bfloat16, kv_dtype, 1 / 192**0.5)
+    forced = None if route == "policy" or route.startswith("peer:") else route.split(":")[0]
+    spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), forced))
+    batch = batch_for(b, heads, random.Random(b), width, device)
+    if not host:
+        batch = replace(batch, seq_lens_host=None)
+    if route == "peer:vllm-flashmla-fp8":
+        dec = VllmFlashMLAFP8BuilderPlan(spec, device, b)
+    elif route.startswith("peer:"):
+        dec = VllmFA3BuilderPlan(spec, device, b)
+    elif route == "policy":
+        dec = MLADecoder(spec, device, max(b, POLICY_MAX_BATCH), cuda_graph=True)
+    else:
+        dec = MLADecoder(spec, device, b, route=forced, cuda_graph=True)
+        if route.endswith(":fresh-splits"):
+            assert isinstance(dec.route._splits_of, fa3_splits.RepeatedBatchSplits)
+            dec.route._splits_of = fa3_splits.balanced_splits
+    return dec, decode_stream(batch)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("plan-out"))
@@ -223,41 +259,30 @@ def main() -> None:
                     help="comma-separated subset of the cases' routes")
     ap.add_argument("--host-profile", action="store_true",
                     help="also write each plan's cProfile table to DIR/plan_profile.txt")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times through the cases, their order reversed every other round")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     rows, profiles = [], []
     routes = set(args.routes.split(","))
     width = table_width(stream_steps(args.reps, args.host_profile))
-    for route, kv, host in (c for c in CASES if c[0] in routes):
-        kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
-        spec = DecodeSpec(args.heads, 512, 64, 64, torch.bfloat16, kv_dtype, 1 / 192**0.5)
-        forced = None if route == "policy" or route.startswith("peer:") else route
-        spec = replace(spec, q_dtype=engine_query_dtype(spec, platform_of(device), forced))
-        for b in (int(x) for x in args.batches.split(",")):
-            batch = batch_for(b, args.heads, random.Random(b), width, device)
-            if not host:
-                batch = replace(batch, seq_lens_host=None)
-            if route == "peer:vllm-flashmla-fp8":
-                dec = VllmFlashMLAFP8BuilderPlan(spec, device, b)
-            elif route.startswith("peer:"):
-                dec = VllmFA3BuilderPlan(spec, device, b)
-            elif route == "policy":
-                dec = MLADecoder(spec, device, max(b, POLICY_MAX_BATCH), cuda_graph=True)
-            else:
-                dec = MLADecoder(spec, device, b, route=forced, cuda_graph=True)
-            steps = decode_stream(batch)
-            for busy in (0, args.busy_us):
-                median, mean = host_us_per_plan(dec, steps, busy, args.reps)
-                rows.append(dict(route=route, kv=kv, host_lengths=host, batch=b,
-                                 gpu_busy_us=busy, host_us_per_plan=f"{median:.1f}",
-                                 host_us_mean=f"{mean:.1f}"))
-                print(f"{route:>21} {kv:>4} host_lengths={host!s:>5} b={b:>4} "
-                      f"gpu_busy={busy:>5}us: plan {median:8.1f} us (mean {mean:8.1f})",
-                      flush=True)
-            if args.host_profile:
-                profiles.append(f"== {route} {kv} host_lengths={host} b={b}\n"
-                                f"{host_profile(dec, steps)}")
+    cases = [c for c in CASES if c[0] in routes]
+    for r in range(args.rounds):
+        for route, kv, host in (cases if r % 2 == 0 else cases[::-1]):
+            for b in (int(x) for x in args.batches.split(",")):
+                dec, steps = case_decoder(route, kv, host, b, args.heads, width, device)
+                for busy in (0, args.busy_us):
+                    median, mean = host_us_per_plan(dec, steps, busy, args.reps)
+                    rows.append(dict(round=r, route=route, kv=kv, host_lengths=host, batch=b,
+                                     gpu_busy_us=busy, host_us_per_plan=f"{median:.1f}",
+                                     host_us_mean=f"{mean:.1f}"))
+                    print(f"r{r} {route:>26} {kv:>4} host_lengths={host!s:>5} b={b:>4} "
+                          f"gpu_busy={busy:>5}us: plan {median:8.1f} us (mean {mean:8.1f})",
+                          flush=True)
+                if args.host_profile and r == 0:
+                    profiles.append(f"== {route} {kv} host_lengths={host} b={b}\n"
+                                    f"{host_profile(dec, steps)}")
     with open(args.out / "plan_host.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -9,6 +9,16 @@ compiled with ``nvcc`` at first use, as the cuda-splitk route's kernel is); a bl
 and the kernel that reads its flag then sit on the path of the work around it.
 ``switch_node(index, branches)`` (the driver API only) holds every branch in one node and
 reads ``index`` in a kernel that runs when the replay starts, off that path.
+
+Not used by the decoder: a node costs too much for a per-step route switch. Run 240 (H100,
+driver 580.159.04, torch 2.11 through the driver API; ``benchmarks/conditional_node_cost.py``):
+each node of either kind adds 8.5-9.6 us to a replay over the bare kernel (1.5 us), where
+replays of run 180's shapes show a switch in every layer gaining only at about 0.25 us a call
+(``docs/bench-2026-12-05/run228-criteria.txt``, addenda 6-7). Kept for the probe
+(``benchmarks/graph_switch_probe.py``) and to measure again on newer drivers and torch.
+Open in the probe (run 240, not explained): with ten calls in one graph, the first of two
+if-nodes' blocks did not run though a one-call graph ran it; three shapes failed to capture
+(``cuStreamBeginCaptureToGraph``: 401).
 """
 
 from __future__ import annotations

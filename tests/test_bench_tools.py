@@ -1116,47 +1116,6 @@ def test_decode_stream_lengthens_every_request_by_a_token_in_place():
     assert later.seq_lens.tolist() == [10] and later.max_seq_len == 10
 
 
-def test_fresh_splits_variant_writes_the_repeats_splits_with_a_search_every_step(monkeypatch):
-    """``bench_plan_host``'s ``vllm-fa3-mla:fresh-splits`` (the route's
-    ``RepeatedBatchSplits`` swapped for ``fa3_splits.balanced_splits``) times only what the
-    repeat saves: over a decode stream of a batch the route replans (128 requests of
-    1-8.6k tokens, 16 heads, CUDA graphs; the route on the CPU with a stand-in FA3), both
-    write the same scheduler metadata every step, and the repeat searched in fewer steps."""
-    import bench_plan_host
-    import numpy as np
-    from test_vllm_fa3_contract import FA3_MODULE, FakeFA3
-
-    from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, fa3_splits
-    from trtllm_mla_plugin.ops.routes import vllm_fa3_mla
-
-    monkeypatch.setitem(sys.modules, FA3_MODULE, FakeFA3(metadata_len=1 + 128 * 4))
-    monkeypatch.setattr(vllm_fa3_mla, "module_available", lambda name: True)
-    spec = DecodeSpec(16, 512, 64, 64, torch.bfloat16, torch.bfloat16, 0.1, 1)
-    lens = [int(x) for x in np.random.default_rng(4).integers(1024, 8600, 128)]
-
-    def stream():
-        host = torch.tensor(lens, dtype=torch.int32)
-        return bench_plan_host.decode_stream(DecodeBatch(
-            torch.zeros(128, 140, dtype=torch.int32), host, max(lens), kv_tokens=sum(lens),
-            seq_lens_host=host.clone(), persistent=True))
-
-    routes = [vllm_fa3_mla.VllmFA3MLARoute(spec, torch.device("cpu"), 128, cuda_graph=True)
-              for _ in range(2)]
-    repeat = routes[0]._splits_of
-    assert isinstance(repeat, fa3_splits.RepeatedBatchSplits)
-    routes[1]._splits_of = fa3_splits.balanced_splits
-    streams = [stream(), stream()]
-    offset = vllm_fa3_mla.fa3_splits_offset(128)
-    steps = 12
-    for _ in range(steps):
-        written = []
-        for route, steps_of in zip(routes, streams, strict=True):
-            route.plan(next(steps_of))
-            written.append(route._scheduler[offset: offset + 128].tolist())
-        assert written[0] == written[1] and max(written[0]) > 1
-    assert 1 <= repeat.searches < steps
-
-
 def test_plan_host_block_table_holds_every_step_of_the_stream():
     """``bench_plan_host``: the block table ``main`` builds stays wide enough for every step
     it takes from a case's ``decode_stream`` (run 238 stopped on its 8192-token table at

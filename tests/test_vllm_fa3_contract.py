@@ -402,44 +402,6 @@ def test_ordered_graph_plan_issues_four_device_operations(fake):
     assert ops == ["copy_", "index_select", "copy_", "copy_"], count.ops
 
 
-def test_a_step_of_the_same_kv_tiles_reuses_the_last_splits(fake, monkeypatch):
-    """Decode steps whose requests keep their KV tiles (a token more, no tile boundary
-    crossed) write the splits of the previous search without searching again; a step that
-    crosses a boundary searches, and each step's splits in FA3's metadata are the search's
-    for that step's tiles."""
-    calls = []
-    search = fa3_splits.balanced_splits
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].copy())
-        return search(*args, **kwargs)
-
-    monkeypatch.setattr(fa3_splits, "balanced_splits", counted)
-    fake.metadata_len = 1 + 128 * 4
-    route = VllmFA3MLARoute(spec(), torch.device("cpu"), max_batch_size=128, cuda_graph=True)
-    lens = np.random.default_rng(1).integers(1024, 8600, 128) // 64 * 64 + 1  # 1 in a tile
-
-    def plan(lengths):
-        t = torch.tensor(lengths, dtype=torch.int32)
-        route.plan(DecodeBatch(torch.zeros(128, 140, dtype=torch.int32), t, int(t.max()),
-                               kv_tokens=int(t.sum()), seq_lens_host=t.clone(),
-                               persistent=True))
-        offset = vllm_fa3_mla.fa3_splits_offset(128)
-        return route._scheduler[offset: offset + 128].clone()
-
-    first = plan(lens)
-    assert len(calls) == 1
-    ordered = np.sort(lens)[::-1]
-    expected = search(-(-ordered // 64), 1, route._reserved_splits, route._sms, 16.0,
-                      route._planned_splits)
-    assert expected is not None and first.tolist() == expected.tolist()
-    for step in range(1, 64):  # the same tiles: no search, the same splits written
-        assert plan(lens + step).tolist() == first.tolist()
-    assert len(calls) == 1
-    plan(lens + 64)  # every request into its next tile
-    assert len(calls) == 2 and np.array_equal(calls[1], calls[0] + 1)
-
-
 def test_fp8_scales_are_refused(fake):
     route = VllmFA3MLARoute(spec(), torch.device("cpu"), 2)
     route.plan(batch_of([5, 6]))

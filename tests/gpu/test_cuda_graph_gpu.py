@@ -271,8 +271,8 @@ def test_vllm_fa3_graph_replays_halved_splits(heads, q_len, schedule, expected):
 # more than one wave of SMs (``fa3_splits.SPILL``); the route's balanced splits (written
 # over FA3's in its scheduler metadata) must replay to the float64 answer, uniform and
 # ragged, one and several query tokens (FA3's causal metadata then holds one more vector).
-# Steps a token longer within the same KV tiles (17_659, 19_001 / 12_001) take the previous
-# step's splits again (``fa3_splits.RepeatedBatchSplits``), written over FA3's fresh metadata.
+# Steps a token longer within the same KV tiles (17_659, 19_001 / 12_001): the same splits
+# again, written over FA3's fresh metadata.
 BALANCED_SPLIT_CASES = [
     (32, 1, [[300] * 28, [17_658] * 28, [17_659] * 28, [19_000, 12_000] * 14,
              [19_001, 12_001] * 14]),

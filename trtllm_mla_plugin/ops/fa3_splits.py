@@ -228,34 +228,3 @@ def balanced_splits(kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms
     splits = plans[:, best].astype(np.int64)
     return (-(-n // (-(-n // splits)))).astype(np.int32)
 
-
-class RepeatedBatchSplits:
-    """``balanced_splits`` that answers a batch of the same KV tiles and arguments as the
-    previous call without searching again (the same array; callers only read it).
-
-    Why: the host plans every engine step and the search is the largest part of the FA3
-    route's plan (run 233: ~125 of ~320 us at 128 requests and ~90 of ~210 at 32, under
-    the profiler), while in decode a request's KV tiles change once every 64 tokens: the
-    same tiles come back in most steps of small batches (no request crossing a tile
-    boundary: about 60% of one-token steps at 32 requests, 78% at 16). The answer is the
-    search's own, so nothing but host time changes.
-    """
-
-    def __init__(self) -> None:
-        #: Calls that searched (the rest repeated the previous answer); for tests.
-        self.searches = 0
-        self._key: tuple | None = None
-        self._splits: np.ndarray | None = None
-
-    def __call__(self, kv_tiles: np.ndarray, query_tiles: int, max_splits: int, sms: int,
-                 rows_per_tile: float, fa3_cap: int | None = None,
-                 spill: float | None = None) -> np.ndarray | None:
-        """As ``balanced_splits`` (same arguments)."""
-        key = (kv_tiles.tobytes(), kv_tiles.dtype, query_tiles, max_splits, sms,
-               rows_per_tile, fa3_cap, spill)
-        if key != self._key:
-            self.searches += 1
-            self._splits = balanced_splits(kv_tiles, query_tiles, max_splits, sms,
-                                           rows_per_tile, fa3_cap, spill)
-            self._key = key
-        return self._splits

@@ -142,21 +142,19 @@ def graph_splits(spec: DecodeSpec, batch: DecodeBatch, sms: int) -> tuple[int, i
 
 
 def graph_replan(spec: DecodeSpec, max_q_len: int, lens: np.ndarray, reserved: int,
-                 planned: int, sms: int, spill: float | None = None,
-                 search=fa3_splits.balanced_splits) -> np.ndarray | None:
+                 planned: int, sms: int, spill: float | None = None) -> np.ndarray | None:
     """The splits the route writes over FA3's under CUDA graphs for a step of ``lens``
     (``[batch]`` KV lengths, host) under the cap ``planned`` of ``reserved``
-    (``graph_splits``): ``search``'s (``fa3_splits.balanced_splits`` or a
-    ``RepeatedBatchSplits``) where the plan has per-request splits and FA3's may spill
-    into the band (``spill``: the band's bound instead of ``fa3_splits.spill_band``'s),
-    else ``None`` (FA3's own)."""
+    (``graph_splits``): ``fa3_splits.balanced_splits``' where the plan has per-request
+    splits and FA3's may spill into the band (``spill``: the band's bound instead of
+    ``fa3_splits.spill_band``'s), else ``None`` (FA3's own)."""
     tiles = policy.query_tiles(spec, max_q_len)
     widest = fa3_splits.widest_band(spec.num_heads * max_q_len) if spill is None else spill
     if planned < 2 or not fa3_splits.may_spill(tiles * lens.shape[0], sms, widest):
         return None
     kv_tiles = -(-lens.astype(np.int64) // policy.FA3_KV_TILE)
-    return search(kv_tiles, tiles, reserved, sms, policy.query_tile_rows(spec, max_q_len),
-                  planned, spill)
+    return fa3_splits.balanced_splits(kv_tiles, tiles, reserved, sms,
+                                      policy.query_tile_rows(spec, max_q_len), planned, spill)
 
 
 class LengthOrder:
@@ -292,7 +290,6 @@ class VllmFA3MLARoute(DecodeRoute):
         #: instead of ``policy.vllm_fa3_length_order``.
         self.length_order_override: bool | None = None
         self._order = LengthOrder(max_batch_size, device)
-        self._splits_of = fa3_splits.RepeatedBatchSplits()
         self._ordered = False
         self._reserved_splits = self._planned_splits = 0
         self._query_offsets = StagedQueryOffsets(max_batch_size, device)
@@ -351,8 +348,8 @@ class VllmFA3MLARoute(DecodeRoute):
     def _balanced_splits(self, batch: DecodeBatch,
                          lens_host: np.ndarray | None) -> np.ndarray | None:
         """Splits per request that fill FA3's grid better than its own formula
-        (``fa3_splits.balanced_splits``; the previous step's answer again while the KV
-        tiles are the same, ``fa3_splits.RepeatedBatchSplits``), or ``None`` to keep
+        (``fa3_splits.balanced_splits``, searched every step: run 246 found no host time
+        saved by repeating the last answer while the KV tiles stay), or ``None`` to keep
         FA3's: under CUDA graphs, where the plan has per-request splits (a cap of >= 2) and
         the host has the step's lengths (``lens_host``, in the order FA3 is launched on)."""
         wanted = self.balanced_splits_override
@@ -361,8 +358,7 @@ class VllmFA3MLARoute(DecodeRoute):
         if not wanted or lens_host is None:
             return None
         return graph_replan(self.spec, batch.max_q_len, lens_host, self._reserved_splits,
-                            self._planned_splits, self._sms, self.spill_override,
-                            self._splits_of)
+                            self._planned_splits, self._sms, self.spill_override)
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
         """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3

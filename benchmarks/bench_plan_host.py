@@ -165,8 +165,8 @@ def decode_stream(batch: DecodeBatch) -> Iterator[DecodeBatch]:
     """``batch``, then the same requests one decode step later, and so on: each request a
     token longer, written into the same fixed-address tensors (as vLLM's are), the host
     lengths too. Replanning one batch would hand a plan that reuses an earlier step's work
-    (the FA3 route's splits while no request crosses a KV tile) a repeat on every call;
-    in decode a 64-token tile is crossed every 64 steps per request."""
+    (as ``e1b0ce5``'s FA3 splits did while no request crossed a KV tile, reverted since) a
+    repeat on every call; in decode a 64-token tile is crossed every 64 steps per request."""
     while True:
         yield batch
         batch.seq_lens.add_(1)

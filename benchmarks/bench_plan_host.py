@@ -53,13 +53,7 @@ from decode_kernels import (  # this folder is on sys.path when a file of it run
     vllm_fa3_scheduler_metadata,
 )
 
-from trtllm_mla_plugin.ops import (
-    DecodeBatch,
-    DecodeSpec,
-    MLADecoder,
-    engine_query_dtype,
-    policy,
-)
+from trtllm_mla_plugin.ops import DecodeBatch, DecodeSpec, MLADecoder, engine_query_dtype, policy
 from trtllm_mla_plugin.ops.platform import platform_of
 
 #: (route, KV dtype, host lengths given)

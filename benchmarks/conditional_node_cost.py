@@ -75,11 +75,12 @@ def wrapped(kind: str, x: torch.Tensor, flag: torch.Tensor, index: torch.Tensor,
 def kinds_here() -> tuple[str, ...]:
     """The kinds this machine can capture."""
     kinds = ["plain"]
+    driver_way = switch_node_support() is None
     if if_node_support() is None:
         kinds.append("if")
-        if switch_node_support() is None:  # the driver API's way is there
+        if driver_way:
             kinds.append("if-root")
-    if switch_node_support() is None:
+    if driver_way:
         kinds.append("switch")
     return tuple(kinds)
 

@@ -169,6 +169,11 @@ def timed_graphs(case, pair: list[Kernel], kinds: tuple[str, ...] = KINDS
     return graphs
 
 
+def _best_score(times: dict[str, float], kind: str) -> float | None:
+    return max((s for k in (f"{kind}:A", f"{kind}:B") if (s := score(times, k))),
+               default=None)
+
+
 def shape_line(name: str, times: dict[str, float]) -> str:
     """One shape's reading: what each kind costs over each route's own graph (us; ``flags``
     for ``switch``, ``node`` for ``node``), and the decoder's score beside the faster
@@ -182,16 +187,10 @@ def shape_line(name: str, times: dict[str, float]) -> str:
     plugin = score(times, "plugin")
     cells.append(f"decoder {plugin:.3f}" if plugin else "decoder -")
     for kind, label in PICK_LABELS:
-        chosen = [k for k in (f"{kind}:A", f"{kind}:B") if k in times]
-        best = score(times, min(chosen, key=times.__getitem__)) if chosen else None
+        best = _best_score(times, kind)
         if kind == "switch" or best:
             cells.append(f"{label} {best:.3f}" if best else f"{label} -")
     return ", ".join(cells)
-
-
-def _best_score(times: dict[str, float], kind: str) -> float | None:
-    return max((s for k in (f"{kind}:A", f"{kind}:B") if (s := score(times, k))),
-               default=None)
 
 
 def _stat_line(label: str, values: list[float]) -> str:

@@ -395,3 +395,16 @@ def test_route_refuses_batches_beyond_the_kernel(monkeypatch):
     ok = DecodeBatch(torch.zeros(8, 1, dtype=torch.int32), lens[:8], 64)
     route.plan(ok)
     assert built["planned"] == 8
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200",
+                                 ""])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("fp8_kv", [False, True])
+def test_default_launch_is_compiled_and_fits_the_sm(gpu, groups, fp8_kv):
+    stages, ctas = sk.default_launch(groups, fp8_kv, gpu)
+    assert stages in sk.STAGES[fp8_kv]
+    assert ctas * sk.decode_shared_bytes(stages, groups, fp8_kv) <= 227 * 1024
+    # One row group: 1 CTA per SM on the H100 with a 16-bit cache (runs 252-255), else 2.
+    one_cta = groups == 2 or ("H100" in gpu and not fp8_kv)
+    assert ctas == (1 if one_cta else 2)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trtllm_mla_plugin.ops import KVScales, MLADecoder
+from trtllm_mla_plugin.ops.routes.base import module_available
 
 from mla_cases import (
     FP8,
@@ -159,10 +160,9 @@ def test_short_prefills_on_their_decode_route(heads: int, split: bool) -> None:
 
 def _vllm_join():
     """vLLM's fused join where vLLM (a CUDA build) is importable here, else ``None``."""
-    try:
-        from trtllm_mla_plugin.vllm_backend.query_join import vllm_query_join
-    except ImportError:
+    if not module_available("vllm"):
         return None
+    from trtllm_mla_plugin.vllm_backend.query_join import vllm_query_join
     return vllm_query_join
 
 

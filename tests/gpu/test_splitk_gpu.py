@@ -9,6 +9,7 @@ merged by the combine's helper CTAs. All against float64."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -74,7 +75,10 @@ def test_heavy_requests_merged_by_helpers(heads: int, q_len: int, heavy: int) ->
                      kv_dtype=BF16, device=DEVICE)
     if (reason := route_skip_reason("cuda-splitk", p.spec, DEVICE)) is not None:
         pytest.skip(reason)
-    kernel = SplitKMLADecode(DEVICE, heads, q_len, 64, len(lens), BF16)
+    # The cuts follow the grid: one row group on two CTAs per SM whatever this GPU's default
+    # (the H100's one CTA per SM leaves the six-request case with none over HEAVY_SPLITS).
+    config = SplitKConfig(stages=2, ctas_per_sm=2) if heads * q_len <= 16 else SplitKConfig()
+    kernel = SplitKMLADecode(DEVICE, heads, q_len, 64, len(lens), BF16, config)
     kernel.plan(p.batch.seq_lens)
     prefix = kernel.tile_prefix[: len(lens) + 1].tolist()
     total = prefix[-1]
@@ -85,9 +89,9 @@ def test_heavy_requests_merged_by_helpers(heads: int, q_len: int, heavy: int) ->
 
     cut = [cta_of(b - 1) - cta_of(a) + 1 for a, b in itertools.pairwise(prefix)]
     assert sum(c > HEAVY_SPLITS for c in cut) >= heavy, cut  # the case is what it says
-    _check(p, tag=f"h{heads} q{q_len} {heavy} heavy")
-    with_helpers = splitk_decode(p)
-    without = splitk_decode(p, SplitKConfig(helped_requests=0))
+    _check(p, config, tag=f"h{heads} q{q_len} {heavy} heavy")
+    with_helpers = splitk_decode(p, config)
+    without = splitk_decode(p, dataclasses.replace(config, helped_requests=0))
     assert torch.equal(with_helpers, without)
 
 
@@ -114,6 +118,17 @@ def test_every_launch_configuration(stages: int, ctas_per_sm: int, min_tiles: in
                      dtype=BF16, kv_dtype=BF16, device=DEVICE)
     _check(p, SplitKConfig(stages=stages, ctas_per_sm=ctas_per_sm, min_tiles=min_tiles),
            tag=f"s{stages} c{ctas_per_sm} m{min_tiles}")
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("ctas_per_sm", [1, 2])
+def test_one_row_group_launches(stages: int, ctas_per_sm: int) -> None:
+    """16 rows a request (one row group) at each depth and CTAs per SM: the H100's default
+    is three stages at one CTA per SM, the H200's two at two (``default_launch``)."""
+    p = make_problem(heads=16, block=64, lens=[5, 4000, 129, 64, 1, 9000, 333, 467, 120],
+                     q_lens=1, dtype=BF16, kv_dtype=BF16, device=DEVICE)
+    _check(p, SplitKConfig(stages=stages, ctas_per_sm=ctas_per_sm),
+           tag=f"h16 s{stages} c{ctas_per_sm}")
 
 
 @pytest.mark.parametrize("stages", [4, 8])

@@ -105,14 +105,30 @@ class SplitKConfig:
     helped_requests: int = 4
 
 
-def default_launch(groups: int, fp8_kv: bool) -> tuple[int, int]:
-    """``(stages, ctas_per_sm)`` for ``groups`` row groups. One row group (128 threads,
-    ~236 registers) fits two CTAs per SM: twice the warps to hide the per-tile latency
-    chain, which ``benchmarks/splitk_profile.py`` shows is what limits one CTA (H200, run
-    44: math alone over stale tiles 99 against 129 us, loads alone 145 against 142 us, at
-    h16 b128 8k); shared memory then holds two 16-bit stages or four FP8 ones per CTA. Two
-    row groups (256 threads) fit one CTA per SM."""
+#: GPUs (``torch.cuda.get_device_properties().name`` containing one of these) where one
+#: row group of a 16-bit cache runs one CTA per SM with three stages (``default_launch``).
+ONE_CTA_GPUS = ("H100",)
+
+
+def default_launch(groups: int, fp8_kv: bool, gpu_name: str = "") -> tuple[int, int]:
+    """``(stages, ctas_per_sm)`` for ``groups`` row groups on the GPU named ``gpu_name``.
+    One row group (128 threads, ~236 registers) fits two CTAs per SM: twice the warps to
+    hide the per-tile latency chain, which ``benchmarks/splitk_profile.py`` shows is what
+    limits one CTA (H200, run 44: math alone over stale tiles 99 against 129 us, loads
+    alone 145 against 142 us, at h16 b128 8k); shared memory then holds two 16-bit stages
+    or four FP8 ones per CTA. On the H100 (``ONE_CTA_GPUS``; a third less bandwidth than
+    the H200 for the same math, so loads rather than math set the pace) a 16-bit cache runs
+    one CTA per SM with three stages instead: half the grid cuts requests into half the
+    pieces, which short contexts pay for in partial outputs and their combine. Runs 252-255
+    (H100, 8-16 query rows, 33-1024 requests, against vLLM's two calls): on 23 shapes
+    (seed 600 and run 224's four worst) 0.956 -> 1.028 on geomean, no shape slower than
+    0.999x; on 40 fresh ones (seeds 601-602) 0.945 -> 1.023, every shape 1.000-1.285x
+    (short contexts gaining most, 1.1-1.3x under 1k tokens). Not measured on the H200,
+    which keeps two CTAs; nor with an FP8 cache. Two row groups (256 threads) fit one CTA
+    per SM."""
     if groups == 1:
+        if not fp8_kv and any(name in gpu_name for name in ONE_CTA_GPUS):
+            return 3, 1
         return (4 if fp8_kv else 2), 2
     return (8 if fp8_kv else 4), 1
 
@@ -200,8 +216,9 @@ class SplitKMLADecode:
         self.groups = row_groups(heads, max_q_len)
         rows = 16 * self.groups
         self.head_blocks = head_blocks(heads, max_q_len)
-        sms = torch.cuda.get_device_properties(index).multi_processor_count
-        default_stages, default_ctas = default_launch(self.groups, self.fp8_kv)
+        props = torch.cuda.get_device_properties(index)
+        sms = props.multi_processor_count
+        default_stages, default_ctas = default_launch(self.groups, self.fp8_kv, props.name)
         self.ctas_per_sm = self.config.ctas_per_sm or default_ctas
         self.num_ctas = sms * self.ctas_per_sm
         stages = self.config.stages or default_stages

@@ -270,7 +270,8 @@ SPLITK_MIN_BATCH = 48
 #: the plugin with FA3 forced decoded at 0.820 of the plugin on this kernel: it stays. At
 #: 33-96 requests (run 231, 43 fresh shapes) FA3 would score 1.059 (worst 0.937) against
 #: this kernel's 0.961 (0.670), but the engine pair at b48 came out even (1.008), the FA3
-#: route's host plan costing 0.17 ms a step beyond its kernels: it stays there too.
+#: route's host plan costing 0.17 ms a step beyond its kernels; at 61 layers (H100) FA3
+#: won at b48 (1.040, run 247) and lost at b80 (0.990, run 251): it stays there too.
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
 #: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at

@@ -287,7 +287,10 @@ def test_doctor_says_how_the_split_kv_kernel_gets_built(monkeypatch, tmp_path):
     monkeypatch.setenv("TRTLLM_MLA_CACHE_DIR", str(tmp_path))  # nothing built
     monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: "/opt/cuda/bin/nvcc")
     monkeypatch.setattr(nvcc_build, "_nvcc_version", lambda nvcc: "Cuda compilation tools")
-    assert "compiles with /opt/cuda/bin/nvcc" in doctor.splitk_kernel_status(H200)
+    line = doctor.splitk_kernel_status(H200)
+    assert "compiles with /opt/cuda/bin/nvcc" in line and "2 stages, 2 CTAs per SM" in line
+    h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3", 132)
+    assert "3 stages, 1 CTA per SM" in doctor.splitk_kernel_status(h100)
     monkeypatch.setattr(nvcc_build, "find_nvcc", lambda: None)
     line = doctor.splitk_kernel_status(H200)
     assert "not available" in line and "FlashMLA" in line and "--build-kernels" in line

@@ -79,17 +79,20 @@ def gpu_line(platform) -> str:
 def splitk_kernel_status(platform) -> str | None:
     """The report's line on the plugin's CUDA split-KV kernel (SM90 GPUs only)."""
     from .ops.kernels.nvcc_build import cached_cubin, find_nvcc
-    from .ops.kernels.splitk_mla_decode import CAPABILITY, SOURCE
+    from .ops.kernels.splitk_mla_decode import CAPABILITY, SOURCE, default_launch
 
     if platform.kind != "cuda" or platform.capability != CAPABILITY:
         return None
+    stages, ctas = default_launch(1, False, platform.name)
+    launch = (f"; up to 16 query rows a request over a 16-bit cache: {stages} stages, "
+              f"{ctas} CTA{'s' if ctas > 1 else ''} per SM on this GPU")
     built = cached_cubin(SOURCE, CAPABILITY)
     if built is not None:
-        return f"split-KV kernel (cuda-splitk): built, {built}"
+        return f"split-KV kernel (cuda-splitk): built, {built}{launch}"
     nvcc = find_nvcc()
     if nvcc is not None:
         return (f"split-KV kernel (cuda-splitk): compiles with {nvcc} at the first engine "
-                "start (15-20 s; now: python -m trtllm_mla_plugin --build-kernels)")
+                f"start (15-20 s; now: python -m trtllm_mla_plugin --build-kernels){launch}")
     return ("split-KV kernel (cuda-splitk): not available (no nvcc, no build in the cache); "
             "its batches run FlashMLA. To have it: install the CUDA toolkit, or run "
             "python -m trtllm_mla_plugin --build-kernels where nvcc is and bring the cache "

@@ -119,13 +119,13 @@ def default_launch(groups: int, fp8_kv: bool, gpu_name: str = "") -> tuple[int, 
     or four FP8 ones per CTA. On the H100 (``ONE_CTA_GPUS``; a third less bandwidth than
     the H200 for the same math, so loads rather than math set the pace) a 16-bit cache runs
     one CTA per SM with three stages instead: half the grid cuts requests into half the
-    pieces, which short contexts pay for in partial outputs and their combine. Runs 252-255
-    (H100, 8-16 query rows, 33-1024 requests, against vLLM's two calls): on 23 shapes
-    (seed 600 and run 224's four worst) 0.956 -> 1.028 on geomean, no shape slower than
-    0.999x; on 40 fresh ones (seeds 601-602) 0.945 -> 1.023, every shape 1.000-1.285x
-    (short contexts gaining most, 1.1-1.3x under 1k tokens). Not measured on the H200,
-    which keeps two CTAs; nor with an FP8 cache. Two row groups (256 threads) fit one CTA
-    per SM."""
+    pieces, which short contexts pay for in partial outputs and their combine. Runs 253
+    and 255 (H100, 8-16 query rows, 33-1024 requests; the kernel alone, against two CTAs
+    per SM at min_tiles 1-2, timed alongside): 1.035-1.040x on geomean, per shape
+    0.995-1.175x, short contexts gaining most; on 40 fresh shapes (seeds 601-602) the
+    kernel alone scored 1.023 of the faster of vLLM's two calls (worst 0.770) where two
+    CTAs at min_tiles 2 scored 0.984 (0.718). Not measured on the H200, which keeps two
+    CTAs; nor with an FP8 cache. Two row groups (256 threads) fit one CTA per SM."""
     if groups == 1:
         if not fp8_kv and any(name in gpu_name for name in ONE_CTA_GPUS):
             return 3, 1

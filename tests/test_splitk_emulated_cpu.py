@@ -57,12 +57,25 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def part_layout(view: torch.Tensor, base: torch.Tensor) -> tuple[bytes, list[int]]:
+    """``view`` (a query part, ``[tokens, heads, D]``) as the emulator reads it: the bytes
+    of the contiguous tensor ``base`` it views, and (elements, offset, token stride, head
+    stride) in ``base``."""
+    assert base.is_contiguous() and view.untyped_storage().data_ptr() == (
+        base.untyped_storage().data_ptr())
+    offset = view.storage_offset() - base.storage_offset()
+    return _bits(base), [base.numel(), offset, view.stride(0), view.stride(1)]
+
+
 def emulate(exe: Path, tmp: Path, p, *, num_ctas: int, min_tiles: int, stages: int,
-            combine_ctas: int | None = None, reversed_ctas: bool = False) -> torch.Tensor:
+            combine_ctas: int | None = None, reversed_ctas: bool = False,
+            parts: tuple | None = None) -> torch.Tensor:
     """Run decode + combine of ``p`` in the emulator; returns ``[tokens, heads, 512]``.
     ``combine_ctas``: the combine's grid (``None``: one CTA per work item, as the host
     launches it; fewer exercise its stride loop). ``reversed_ctas``: CTAs run from the last
-    index down (another CTA finishes each request last)."""
+    index down (another CTA finishes each request last). ``parts``: the query as
+    ``((latent view, its base), (rope view, its base))`` (``part_layout``) instead of
+    ``p.query`` joined."""
     spec, batch = p.spec, p.batch
     b, heads = batch.batch_size, spec.num_heads
     if combine_ctas is None:
@@ -76,13 +89,17 @@ def emulate(exe: Path, tmp: Path, p, *, num_ctas: int, min_tiles: int, stages: i
     prefix = torch.zeros(b + 1, dtype=torch.int32)
     prefix[1:] = torch.cumsum(tiles, 0)
     s = p.scales
+    if parts is None:
+        joined = p.query.contiguous()
+        parts = ((joined[..., :512], joined), (joined[..., 512:], joined))
+    (latent_bytes, latent), (rope_bytes, rope) = (part_layout(*part) for part in parts)
     header = [b, heads, spec.block_size, num_ctas, min_tiles, p.kv_cache.shape[0],
               batch.block_table.shape[1], p.query.shape[0],
               sk.head_blocks(heads, spec.max_q_len), int(spec.q_dtype == FP16), int(fp8),
-              groups, stages, combine_ctas, int(reversed_ctas)]
+              groups, stages, combine_ctas, int(reversed_ctas), *latent, *rope]
     floats = sk.launch_scales(fp8, spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
-    blob = struct.pack("15i", *header) + struct.pack("3f", *floats)
-    blob += _bits(p.query) + _bits(p.kv_cache) + _bits(batch.block_table.to(torch.int32))
+    blob = struct.pack("23i", *header) + struct.pack("3f", *floats)
+    blob += latent_bytes + rope_bytes + _bits(p.kv_cache) + _bits(batch.block_table.to(torch.int32))
     blob += _bits(batch.seq_lens.to(torch.int32)) + _bits(cu.to(torch.int32)) + _bits(prefix)
     inp, out = tmp / "in.bin", tmp / "out.bin"
     inp.write_bytes(blob)
@@ -116,14 +133,16 @@ CASES = [
 ]
 
 
-def check_case(exe: Path, tmp: Path, case: tuple, reversed_ctas: bool = False) -> None:
-    """One of ``CASES`` through the emulator ``exe``, against float64."""
+def case_problem(case: tuple):
+    """``(problem, launch)`` of one of ``CASES``: the launch as ``emulate``'s keywords."""
     _, heads, block, lens, q_lens, dtype, kv_dtype, scales, num_ctas, min_tiles, stages = case
     torch.manual_seed(len(lens) * 31 + heads)
     p = make_problem(heads=heads, block=block, lens=lens, q_lens=q_lens, dtype=dtype,
                      kv_dtype=kv_dtype, scales=scales or KVScales(), device=CPU)
-    out = emulate(exe, tmp, p, num_ctas=num_ctas, min_tiles=min_tiles, stages=stages,
-                  reversed_ctas=reversed_ctas)
+    return p, dict(num_ctas=num_ctas, min_tiles=min_tiles, stages=stages)
+
+
+def assert_matches_float64(p, out: torch.Tensor) -> None:
     assert torch.isfinite(out).all(), "rows left unwritten (NaN poison)"
     rel, worst = errors(out, reference(p))
     rel_bound, max_bound = bounds(p)
@@ -132,9 +151,43 @@ def check_case(exe: Path, tmp: Path, case: tuple, reversed_ctas: bool = False) -
     assert rel < rel_bound and worst < max_bound, (rel, worst)
 
 
+def check_case(exe: Path, tmp: Path, case: tuple, reversed_ctas: bool = False) -> None:
+    """One of ``CASES`` through the emulator ``exe``, against float64."""
+    p, launch = case_problem(case)
+    assert_matches_float64(p, emulate(exe, tmp, p, reversed_ctas=reversed_ctas, **launch))
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kernel_source_matches_float64(emulator, tmp_path, case):
     check_case(emulator, tmp_path, case)
+
+
+#: One and two row groups, ragged query lengths, fp16, FP8 caches (4-element query loads).
+PARTS_CASES = ["ragged-cut-over-7-ctas", "h8-q2-causal", "h32-two-row-groups",
+               "h24-ragged-q-fp16", "fp8-scaled-8-stages", "fp8-h32-q2-page32"]
+
+
+@pytest.mark.parametrize("latent_layout", ["token-major", "head-major"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] in PARTS_CASES],
+                         ids=lambda c: c[0])
+def test_query_parts_read_where_they_lie(emulator, tmp_path, case, latent_layout):
+    """The query as vLLM hands it over: the rope part a strided view of the projection's
+    128 + 64 columns a head, the latent part token-major (vLLM's own buffer) or a transposed
+    head-major one (vLLM's bmm output where it pads heads): against float64, and
+    bit-equal to the same problem read from one joined query."""
+    p, launch = case_problem(case)
+    q = p.query
+    projected = torch.randn(*q.shape[:2], 128 + 64, dtype=q.dtype)
+    projected[..., 128:] = q[..., 512:]
+    if latent_layout == "token-major":
+        latent_base = latent = q[..., :512].contiguous()
+    else:
+        latent_base = q[..., :512].transpose(0, 1).contiguous()
+        latent = latent_base.transpose(0, 1)
+    out = emulate(emulator, tmp_path, p, parts=((latent, latent_base),
+                                                (projected[..., 128:], projected)), **launch)
+    assert_matches_float64(p, out)
+    assert torch.equal(out, emulate(emulator, tmp_path, p, **launch))
 
 
 def test_padding_requests_come_out_zero(emulator, tmp_path):

@@ -386,16 +386,18 @@ int main(int argc, char** argv) {
   FILE* f = std::fopen(argv[1], "rb");
   if (!f) return 2;
   // ints: batch heads page_size num_ctas min_tiles num_pages bt_width num_tokens head_blocks
-  //       fp16 kv8 row_groups stages combine_ctas reversed; floats: scale_log2 q_prescale
-  //       out_scale
-  auto hdr = read_array<int>(f, 15);
+  //       fp16 kv8 row_groups stages combine_ctas reversed, then for the query's latent and
+  //       rope parts each: elements of its buffer, offset of row (0, 0), token stride, head
+  //       stride; floats: scale_log2 q_prescale out_scale
+  auto hdr = read_array<int>(f, 23);
   auto scales = read_array<float>(f, 3);
   const int batch = hdr[0], heads = hdr[1], page = hdr[2], num_ctas = hdr[3];
   const int pages = hdr[5], width = hdr[6], tokens = hdr[7], head_blocks = hdr[8];
   const bool fp16 = hdr[9], kv8 = hdr[10];
   const int rg = hdr[11], stages = hdr[12], combine_ctas = hdr[13];
   const bool reversed = hdr[14];
-  auto q = read_array<u16>(f, static_cast<size_t>(tokens) * heads * kHeadDim);
+  auto q = read_array<u16>(f, hdr[15]);
+  auto q_rope = read_array<u16>(f, hdr[19]);
   auto kv = read_array<unsigned char>(
       f, static_cast<size_t>(pages) * page * kHeadDim * (kv8 ? 1 : 2));
   auto table = read_array<int>(f, static_cast<size_t>(batch) * width);
@@ -411,7 +413,12 @@ int main(int argc, char** argv) {
   std::vector<float> part_lse(static_cast<size_t>(head_blocks) * 2 * num_ctas * rows, NAN);
   std::vector<int> merge_count(static_cast<size_t>(head_blocks) * kMaxBatch, 0);
   SplitKParams p{};
-  p.q = q.data();
+  p.q = q.data() + hdr[16];
+  p.q_token_stride = hdr[17];
+  p.q_head_stride = hdr[18];
+  p.q_rope = q_rope.data() + hdr[20];
+  p.q_rope_token_stride = hdr[21];
+  p.q_rope_head_stride = hdr[22];
   p.kv = reinterpret_cast<const u16*>(kv.data());
   p.block_table = table.data();
   p.seq_lens = lens.data();

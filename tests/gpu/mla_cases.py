@@ -178,9 +178,10 @@ def capture_decode(decoder, query: torch.Tensor, cache: torch.Tensor,
     return graph
 
 
-def splitk_decode(p: Problem, config=None) -> torch.Tensor:
+def splitk_decode(p: Problem, config=None, query=None) -> torch.Tensor:
     """``p`` decoded once by the CUDA split-KV kernel (``SplitKMLADecode``, launch
-    ``config``), into an output poisoned with NaN first; synchronised."""
+    ``config``), into an output poisoned with NaN first; synchronised. ``query``: the
+    query as the kernel takes it instead of ``p.query`` (e.g. its two parts)."""
     from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import SplitKMLADecode
 
     device, b = p.query.device, p.batch.batch_size
@@ -193,7 +194,8 @@ def splitk_decode(p: Problem, config=None) -> torch.Tensor:
                      dtype=p.spec.q_dtype, device=device)
     kernel.plan(p.batch.seq_lens)
     s = p.scales
-    kernel.run(p.query, p.kv_cache, p.batch.block_table, p.batch.seq_lens, cu, out,
+    kernel.run(p.query if query is None else query, p.kv_cache, p.batch.block_table,
+               p.batch.seq_lens, cu, out,
                p.spec.softmax_scale, s.q_scale, s.k_scale, s.v_scale)
     torch.cuda.synchronize()
     return out

@@ -131,6 +131,32 @@ def test_one_row_group_launches(stages: int, ctas_per_sm: int) -> None:
            tag=f"h16 s{stages} c{ctas_per_sm}")
 
 
+@pytest.mark.parametrize("latent_layout", ["token-major", "head-major"])
+@pytest.mark.parametrize("heads,q_len,kv_dtype", [(16, 1, BF16), (8, 2, BF16), (32, 1, BF16),
+                                                  (16, 1, FP8)])
+def test_query_parts_read_where_they_lie(heads: int, q_len: int, kv_dtype, latent_layout):
+    """vLLM's two query parts read where they lie (the rope part a strided view of the
+    projection's 128 + 64 columns a head; the latent part token-major, or head-major as
+    vLLM's bmm leaves it where it pads heads): against float64, and bit-equal to the joined
+    query."""
+    p = make_problem(heads=heads, block=64, lens=[q_len, 64, 700, 3000, 129], q_lens=q_len,
+                     dtype=BF16, kv_dtype=kv_dtype, device=DEVICE)
+    if (reason := route_skip_reason("cuda-splitk", p.spec, DEVICE)) is not None:
+        pytest.skip(reason)
+    q = p.query
+    projected = torch.randn(*q.shape[:2], 128 + 64, dtype=q.dtype, device=DEVICE)
+    projected[..., 128:] = q[..., 512:]
+    latent = (q[..., :512].contiguous() if latent_layout == "token-major"
+              else q[..., :512].transpose(0, 1).contiguous().transpose(0, 1))
+    out = splitk_decode(p, query=(latent, projected[..., 128:]))
+    rel, worst = errors(out, reference(p))
+    rel_bound, max_bound = bounds(p)
+    if p.spec.fp8_kv:
+        rel_bound = FP8_BF16_QUERY_REL
+    assert rel < rel_bound and worst < max_bound, (rel, worst)
+    assert torch.equal(out, splitk_decode(p))
+
+
 @pytest.mark.parametrize("stages", [4, 8])
 @pytest.mark.parametrize("scales", [KVScales(), KVScales(2.0, 0.5, 0.25)])
 def test_fp8_cache_with_the_bf16_query(stages: int, scales: KVScales) -> None:

@@ -74,6 +74,11 @@ class SplitKParams(ctypes.Structure):
         ("q_prescale", ctypes.c_float),
         ("out_scale", ctypes.c_float),
         ("merge_count", ctypes.c_void_p),
+        ("q_rope", ctypes.c_void_p),
+        ("q_token_stride", ctypes.c_int),
+        ("q_head_stride", ctypes.c_int),
+        ("q_rope_token_stride", ctypes.c_int),
+        ("q_rope_head_stride", ctypes.c_int),
     ]
 
 
@@ -131,6 +136,27 @@ def default_launch(groups: int, fp8_kv: bool, gpu_name: str = "") -> tuple[int, 
             return 3, 1
         return (4 if fp8_kv else 2), 2
     return (8 if fp8_kv else 4), 1
+
+
+def query_parts(query: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's two query views, ``(latent [tokens, heads, 512], rope [tokens, heads,
+    64])``, of ``query`` ``[tokens, heads, 576]`` or of its two parts as vLLM hands them
+    (the latent part contiguous, the rope part a strided view of the projection), read where
+    they lie. The kernel addresses row (token, head) of each part by its own token and head
+    strides and loads up to 8 bytes at a time: a part whose innermost stride is not 1, or
+    whose start or strides are not 8-byte aligned, is copied first."""
+    if isinstance(query, tuple):
+        latent, rope = query
+    else:
+        latent, rope = query[..., :KV_LORA_RANK], query[..., KV_LORA_RANK:]
+    return _loadable(latent), _loadable(rope)
+
+
+def _loadable(part: torch.Tensor) -> torch.Tensor:
+    aligned = (part.stride(-1) == 1 and part.data_ptr() % 8 == 0
+               and part.stride(0) % 4 == 0 and part.stride(1) % 4 == 0)
+    return part if aligned else part.contiguous()
 
 
 def row_groups(heads: int, max_q_len: int) -> int:
@@ -255,11 +281,13 @@ class SplitKMLADecode:
         tiles = (seq_lens + (TILE_TOKENS - 1)) // TILE_TOKENS
         torch.cumsum(tiles, 0, dtype=torch.int32, out=self.tile_prefix[1: b + 1])
 
-    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    def run(self, query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+            kv_cache: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
             softmax_scale: float, q_scale: float = 1.0, k_scale: float = 1.0,
             v_scale: float = 1.0) -> torch.Tensor:
-        """Decode ``query`` ``[tokens, heads, 576]`` over ``kv_cache``
+        """Decode ``query`` ``[tokens, heads, 576]`` (or its parts, ``query_parts``) over
+        ``kv_cache``
         ``[pages, page_size, 576]`` (page stride free, rows contiguous) for the planned
         batch: ``block_table`` ``[batch, width]`` int32 (rows contiguous), ``seq_lens``
         ``[batch]`` and ``cu_q`` ``[batch + 1]`` int32, into contiguous ``out``
@@ -272,17 +300,21 @@ class SplitKMLADecode:
         self.launch_combine(p)
         return out
 
-    def launch_params(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                      block_table: torch.Tensor, seq_lens: torch.Tensor, cu_q: torch.Tensor,
-                      out: torch.Tensor, softmax_scale: float, q_scale: float = 1.0,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> SplitKParams:
+    def launch_params(self, query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                      kv_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
+                      softmax_scale: float, q_scale: float = 1.0, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> SplitKParams:
         """The launch struct of ``run``'s arguments (checked)."""
         if kv_cache.stride(2) != 1 or kv_cache.stride(1) != HEAD_DIM:
             raise ValueError("the split-KV kernel needs cache rows of 576 contiguous elements")
         if block_table.stride(1) != 1:
             raise ValueError("the split-KV kernel needs block-table rows contiguous")
         p = self._params
-        p.q = query.data_ptr()
+        latent, rope = query_parts(query)
+        p.q, p.q_rope = latent.data_ptr(), rope.data_ptr()
+        p.q_token_stride, p.q_head_stride = latent.stride(0), latent.stride(1)
+        p.q_rope_token_stride, p.q_rope_head_stride = rope.stride(0), rope.stride(1)
         p.kv = kv_cache.data_ptr()
         p.block_table = block_table.data_ptr()
         p.seq_lens = seq_lens.data_ptr()

@@ -37,6 +37,8 @@ MAX_Q_LEN = 16
 class CudaSplitKRoute(DecodeRoute):
     name = "cuda-splitk"
     kernel = "trtllm_mla_plugin split-KV decode, mma.sync 16-row tiles (CUDA C++, nvcc JIT)"
+    # The kernel reads vLLM's two query parts where they lie (strides per part): no join.
+    takes_split_query = True
 
     @classmethod
     def unsupported_reason(cls, spec: DecodeSpec, platform: Platform) -> str | None:
@@ -93,12 +95,16 @@ class CudaSplitKRoute(DecodeRoute):
         self._tensors = (block_table, seq_lens, cu_q)
 
     def run(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, scales: KVScales
+        self,
+        query: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        out: torch.Tensor,
+        scales: KVScales,
     ) -> torch.Tensor:
         check_unit_scales(self.spec, scales)
         block_table, seq_lens, cu_q = self._tensors
         target = out if out.is_contiguous() else torch.empty_like(out)
-        self.kernel_launcher.run(query.contiguous(), kv_cache, block_table, seq_lens, cu_q,
+        self.kernel_launcher.run(query, kv_cache, block_table, seq_lens, cu_q,
                                  target, self.spec.softmax_scale, scales.q_scale,
                                  scales.k_scale, scales.v_scale)
         if target is not out:

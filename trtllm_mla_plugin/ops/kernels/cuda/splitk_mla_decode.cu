@@ -11,7 +11,13 @@
 // straight to the output; only cut requests go through the combine kernel.
 //
 // Layout (elements):
-//   q            [num_tokens, heads, 576] bf16 or fp16, rows of a request: qt * heads + h
+//   q            latent part of query row (token, head) at q + token * q_token_stride +
+//                head * q_head_stride, 512 elements; bf16 or fp16. Rows of a request:
+//                qt * heads + h. The rope part (64) at q_rope with its own two strides:
+//                vLLM hands the two parts apart (the rope a strided view of its projection),
+//                and a joined [num_tokens, heads, 576] query is q_rope = q + 512, the same
+//                strides. Row bases and strides keep 8-byte alignment (FP8 caches load the
+//                query 4 elements at a time).
 //   kv           page p at kv + p * kv_page_stride, [page_size, 576] per page, q's dtype
 //                or FP8 e4m3 (scores scaled by q_scale * k_scale, output by v_scale)
 //   block_table  [batch, bt_stride] int32
@@ -83,6 +89,11 @@ struct SplitKParams {
   float q_prescale;  // FP8 caches: the query is multiplied by this (softmax scale * log2(e))
   float out_scale;   // output multiplier: v_scale for FP8 caches, else 1
   int* merge_count;  // per (head block, request): pieces finished (SPLITK_FUSE_MAX_SPLITS)
+  const u16* q_rope;  // the query's rope part (see the layout above)
+  int q_token_stride;  // query strides, in elements
+  int q_head_stride;
+  int q_rope_token_stride;
+  int q_rope_head_stride;
 };
 
 // Requests cut into at most this many pieces are merged inside the decode grid (0: all by
@@ -226,6 +237,22 @@ __host__ __device__ __forceinline__ int split_slot(int s, int c_first, int first
   const int c = c_first + s;
   const int start = range_start(c, total, active);
   return partial_slot(c, s == 0 ? first : start, start);
+}
+
+// Query row `rr` of a request whose first query token is `tok0` (token tok0 + rr / heads,
+// head rr % heads): where its latent and rope parts start; `at` gives query dim d's address.
+struct QueryRow {
+  const u16* latent;
+  const u16* rope;
+  __host__ __device__ __forceinline__ const u16* at(int d, bool in_rope) const {
+    return in_rope ? rope + (d - kLatent) : latent + d;
+  }
+};
+__host__ __device__ __forceinline__ QueryRow query_row(const SplitKParams& p, int tok0,
+                                                       int rr) {
+  const i64 tok = tok0 + rr / p.heads, head = rr % p.heads;
+  return {p.q + tok * p.q_token_stride + head * p.q_head_stride,
+          p.q_rope + tok * p.q_rope_token_stride + head * p.q_rope_head_stride};
 }
 
 // Where a tile's 16-byte chunks sit in shared memory and which ones each lane hands to
@@ -522,23 +549,29 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
   // one tile before the request's first tile, so a new segment does not wait for them.
   auto load_query = [&](int r, u32 (&raw)[9][4]) {
     const int qrows = (s_cuq[r + 1] - s_cuq[r]) * p.heads;
-    const i64 qrow0 = static_cast<i64>(s_cuq[r]) * p.heads;
-    const bool ok0 = hb * ROWS + row_local[0] < qrows, ok1 = hb * ROWS + row_local[1] < qrows;
-    const u32* q0 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[0]) * kHeadDim);
-    const u32* q1 = reinterpret_cast<const u32*>(p.q + (qrow0 + hb * ROWS + row_local[1]) * kHeadDim);
+    const int rr0 = hb * ROWS + row_local[0], rr1 = hb * ROWS + row_local[1];
+    const bool ok0 = rr0 < qrows, ok1 = rr1 < qrows;
+    const QueryRow q0 = query_row(p, s_cuq[r], ok0 ? rr0 : 0);
+    const QueryRow q1 = query_row(p, s_cuq[r], ok1 ? rr1 : 0);
 #pragma unroll
     for (int ks = 0; ks < 9; ++ks) {
+      // A k-step's 16 dims lie in one part (512 is a multiple of 16 past a quarter's start).
+      const bool in_rope = wq * (kHeadDim / 4) + ks * 16 >= kLatent;
       if constexpr (KV8) {  // dims 4t .. 4t + 3 (query_dim8): (a0 | a1) low words, (a2 | a3) high
-        const int k0 = query_dim8(wq, ks, t) >> 1;
-        const uint2 v0 = ok0 ? __ldg(reinterpret_cast<const uint2*>(q0 + k0)) : make_uint2(0u, 0u);
-        const uint2 v1 = ok1 ? __ldg(reinterpret_cast<const uint2*>(q1 + k0)) : make_uint2(0u, 0u);
+        const int d = query_dim8(wq, ks, t);
+        const uint2 v0 = ok0 ? __ldg(reinterpret_cast<const uint2*>(q0.at(d, in_rope)))
+                             : make_uint2(0u, 0u);
+        const uint2 v1 = ok1 ? __ldg(reinterpret_cast<const uint2*>(q1.at(d, in_rope)))
+                             : make_uint2(0u, 0u);
         raw[ks][0] = v0.x, raw[ks][1] = v1.x, raw[ks][2] = v0.y, raw[ks][3] = v1.y;
       } else {
-        const int k0 = query_dim(wq, ks, t) >> 1;  // in 16-bit pairs
-        raw[ks][0] = ok0 ? __ldg(q0 + k0) : 0u;
-        raw[ks][1] = ok1 ? __ldg(q1 + k0) : 0u;
-        raw[ks][2] = ok0 ? __ldg(q0 + k0 + 4) : 0u;
-        raw[ks][3] = ok1 ? __ldg(q1 + k0 + 4) : 0u;
+        const int d = query_dim(wq, ks, t);
+        const u32* a0 = reinterpret_cast<const u32*>(q0.at(d, in_rope));
+        const u32* a1 = reinterpret_cast<const u32*>(q1.at(d, in_rope));
+        raw[ks][0] = ok0 ? __ldg(a0) : 0u;
+        raw[ks][1] = ok1 ? __ldg(a1) : 0u;
+        raw[ks][2] = ok0 ? __ldg(a0 + 4) : 0u;  // dims d + 8, d + 9
+        raw[ks][3] = ok1 ? __ldg(a1 + 4) : 0u;
       }
     }
   };

@@ -286,11 +286,10 @@ class SplitKMLADecode:
             seq_lens: torch.Tensor, cu_q: torch.Tensor, out: torch.Tensor,
             softmax_scale: float, q_scale: float = 1.0, k_scale: float = 1.0,
             v_scale: float = 1.0) -> torch.Tensor:
-        """Decode ``query`` ``[tokens, heads, 576]`` (or its parts, ``query_parts``) over
-        ``kv_cache``
-        ``[pages, page_size, 576]`` (page stride free, rows contiguous) for the planned
-        batch: ``block_table`` ``[batch, width]`` int32 (rows contiguous), ``seq_lens``
-        ``[batch]`` and ``cu_q`` ``[batch + 1]`` int32, into contiguous ``out``
+        """Decode ``query`` ``[tokens, heads, 576]`` (or its two parts, ``query_parts``)
+        over ``kv_cache`` ``[pages, page_size, 576]`` (page stride free, rows contiguous) for
+        the planned batch: ``block_table`` ``[batch, width]`` int32 (rows contiguous),
+        ``seq_lens`` ``[batch]`` and ``cu_q`` ``[batch + 1]`` int32, into contiguous ``out``
         ``[tokens, heads, 512]``; returns ``out``. Scores are ``query * q_scale`` dot
         ``cache * k_scale``, values ``cache[..., :512] * v_scale`` (FP8 caches; 1 otherwise)."""
         p = self.launch_params(query, kv_cache, block_table, seq_lens, cu_q, out,

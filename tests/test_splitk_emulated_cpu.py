@@ -23,7 +23,7 @@ from trtllm_mla_plugin.ops import KVScales
 from trtllm_mla_plugin.ops.kernels import splitk_mla_decode as sk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-from mla_cases import bounds, errors, make_problem, reference
+from mla_cases import bounds, errors, make_problem, reference, vllm_query_parts
 
 EMULATOR = Path(__file__).with_name("cuda") / "splitk_emulator.cpp"
 GXX = shutil.which("g++")
@@ -176,16 +176,8 @@ def test_query_parts_read_where_they_lie(emulator, tmp_path, case, latent_layout
     head-major one (vLLM's bmm output where it pads heads): against float64, and
     bit-equal to the same problem read from one joined query."""
     p, launch = case_problem(case)
-    q = p.query
-    projected = torch.randn(*q.shape[:2], 128 + 64, dtype=q.dtype)
-    projected[..., 128:] = q[..., 512:]
-    if latent_layout == "token-major":
-        latent_base = latent = q[..., :512].contiguous()
-    else:
-        latent_base = q[..., :512].transpose(0, 1).contiguous()
-        latent = latent_base.transpose(0, 1)
-    out = emulate(emulator, tmp_path, p, parts=((latent, latent_base),
-                                                (projected[..., 128:], projected)), **launch)
+    out = emulate(emulator, tmp_path, p, parts=vllm_query_parts(p.query, latent_layout),
+                  **launch)
     assert_matches_float64(p, out)
     assert torch.equal(out, emulate(emulator, tmp_path, p, **launch))
 

@@ -178,6 +178,27 @@ def capture_decode(decoder, query: torch.Tensor, cache: torch.Tensor,
     return graph
 
 
+TensorAndBase = tuple[torch.Tensor, torch.Tensor]
+
+
+def vllm_query_parts(query: torch.Tensor, latent_layout: str = "token-major"
+                     ) -> tuple[TensorAndBase, TensorAndBase]:
+    """``query`` ``[tokens, heads, 576]`` as vLLM hands it over, ``((latent, its base),
+    (rope, its base))``: the rope part a strided view of a ``[tokens, heads, 128 + 64]``
+    projection (its other columns random), the latent part token-major (vLLM's own buffer)
+    or ``"head-major"`` (a ``[heads, tokens, 512]`` buffer seen transposed, as vLLM's bmm
+    leaves it where it pads heads); each base the contiguous tensor the view is of."""
+    projected = torch.randn(*query.shape[:2], 128 + 64, dtype=query.dtype,
+                            device=query.device)
+    projected[..., 128:] = query[..., 512:]
+    if latent_layout == "token-major":
+        latent_base = latent = query[..., :512].contiguous()
+    else:
+        latent_base = query[..., :512].transpose(0, 1).contiguous()
+        latent = latent_base.transpose(0, 1)
+    return (latent, latent_base), (projected[..., 128:], projected)
+
+
 def splitk_decode(p: Problem, config=None, query=None) -> torch.Tensor:
     """``p`` decoded once by the CUDA split-KV kernel (``SplitKMLADecode``, launch
     ``config``), into an output poisoned with NaN first; synchronised. ``query``: the

@@ -31,6 +31,7 @@ from mla_cases import (
     reference,
     route_skip_reason,
     splitk_decode,
+    vllm_query_parts,
 )
 
 pytestmark = GPU_TEST_MARKS
@@ -143,12 +144,8 @@ def test_query_parts_read_where_they_lie(heads: int, q_len: int, kv_dtype, laten
                      dtype=BF16, kv_dtype=kv_dtype, device=DEVICE)
     if (reason := route_skip_reason("cuda-splitk", p.spec, DEVICE)) is not None:
         pytest.skip(reason)
-    q = p.query
-    projected = torch.randn(*q.shape[:2], 128 + 64, dtype=q.dtype, device=DEVICE)
-    projected[..., 128:] = q[..., 512:]
-    latent = (q[..., :512].contiguous() if latent_layout == "token-major"
-              else q[..., :512].transpose(0, 1).contiguous().transpose(0, 1))
-    out = splitk_decode(p, query=(latent, projected[..., 128:]))
+    (latent, _), (rope, _) = vllm_query_parts(p.query, latent_layout)
+    out = splitk_decode(p, query=(latent, rope))
     rel, worst = errors(out, reference(p))
     rel_bound, max_bound = bounds(p)
     if p.spec.fp8_kv:

@@ -556,7 +556,7 @@ __device__ __forceinline__ void decode_body(const SplitKParams& p) {
 #pragma unroll
     for (int ks = 0; ks < 9; ++ks) {
       // A k-step's 16 dims lie in one part (512 is a multiple of 16 past a quarter's start).
-      const bool in_rope = wq * (kHeadDim / 4) + ks * 16 >= kLatent;
+      const bool in_rope = query_dim(wq, ks, 0) >= kLatent;
       if constexpr (KV8) {  // dims 4t .. 4t + 3 (query_dim8): (a0 | a1) low words, (a2 | a3) high
         const int d = query_dim8(wq, ks, t);
         const uint2 v0 = ok0 ? __ldg(reinterpret_cast<const uint2*>(q0.at(d, in_rope)))

@@ -397,7 +397,9 @@ def test_ordered_graph_plan_issues_four_device_operations(fake):
     route.plan(batch)
     with Count() as count:
         route.plan(batch)
-    assert route._ordered and route._balanced_splits(batch, route._order.lens_host) is not None
+    assert route._ordered and vllm_fa3_mla.graph_replan(
+        route.spec, 1, route._order.lens_host, route._reserved_splits, route._planned_splits,
+        route._sms) is not None
     ops = [op for op in count.ops if op not in views and op != "ones"]  # "ones": the fake's
     assert ops == ["copy_", "index_select", "copy_", "copy_"], count.ops
 

@@ -10,7 +10,9 @@ keeps them), which routes then read directly instead of staging copies.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy
 import pytest
@@ -168,7 +170,8 @@ WIDE_SPLIT_CASES = [
 def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]],
                                 label: str, host_lengths: bool,
                                 balanced: bool | None = False,
-                                length_order: bool = False) -> list[int]:
+                                length_order: bool = False,
+                                device_splits: bool = False) -> list[int]:
     """Captures the ``vllm-fa3-mla`` route under CUDA graphs on ``schedule[0]``, replays the
     other steps (each checked against float64, the launch's reserve unchanged) and returns
     the cap each step planned; skips where the route cannot run. ``host_lengths``: the batch
@@ -176,7 +179,8 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
     route's balanced splits forced on or off (``None``: its rule); when on, each replayed
     step's split vector in FA3's metadata must be ``fa3_splits.balanced_splits``' plan (of
     the lengths longest first with ``length_order``: the route then launches FA3 on the
-    requests in that order)."""
+    requests in that order); ``device_splits``: searched by the GPU planner
+    (``kernels.fa3_split_plan``), outside the captured graph as in the engine."""
     device = torch.device("cuda")
     width = max(max(lens) for lens in schedule) // 64 + 1
     steps = [make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
@@ -190,6 +194,7 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
                          route="vllm-fa3-mla", cuda_graph=True)
     decoder.route.balanced_splits_override = balanced
     decoder.route.length_order_override = length_order
+    decoder.route.device_splits_override = device_splits
     num_blocks = max(p.kv_cache.shape[0] for p in steps)
     cache = torch.empty(num_blocks, 64, 576, dtype=torch.bfloat16, device=device)
     cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
@@ -281,12 +286,27 @@ BALANCED_SPLIT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("device_splits", [False, True], ids=["host", "gpu-planner"])
 @pytest.mark.parametrize("heads,q_len,schedule", BALANCED_SPLIT_CASES,
                          ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s in BALANCED_SPLIT_CASES])
-def test_vllm_fa3_graph_replays_balanced_splits(heads, q_len, schedule):
+def test_vllm_fa3_graph_replays_balanced_splits(heads, q_len, schedule, device_splits):
     planned = replay_vllm_fa3_split_steps(heads, q_len, schedule, "balanced splits",
-                                          host_lengths=True, balanced=True)
+                                          host_lengths=True, balanced=True,
+                                          device_splits=device_splits)
     assert all(p >= 1 for p in planned)
+
+
+def test_split_planner_equals_host_plan_on_gpu():
+    """The GPU planner of FA3's splits, compiled (float64 spans, no FMA contraction),
+    against the host's ``fa3_splits.balanced_splits`` on 2000 random steps
+    (tests/fa3_split_plan_cases.py; the CPU interpreter runs 400 in CI)."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fa3_split_plan_cases import check_steps
+
+    outcomes = check_steps(2000, seed=21, device=torch.device("cuda"))
+    print(f"[split planner] 2000 steps equal to the host's plan: {dict(outcomes)}")
+    assert outcomes["replanned past the band"] >= 50 and outcomes["kept"] >= 200
 
 
 # (heads, q_len, steps of seq_lens): the route launching FA3 on the requests longest first
@@ -317,11 +337,15 @@ LENGTH_ORDER_CASES = [
 ]
 
 
+@pytest.mark.parametrize("device_splits", [False, True], ids=["host", "gpu-planner"])
 @pytest.mark.parametrize("heads,q_len,schedule,balanced", LENGTH_ORDER_CASES,
                          ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s, _ in LENGTH_ORDER_CASES])
-def test_vllm_fa3_graph_replays_length_order(heads, q_len, schedule, balanced):
+def test_vllm_fa3_graph_replays_length_order(heads, q_len, schedule, balanced, device_splits):
+    if device_splits and not balanced:
+        pytest.skip("FA3's own splits: nothing for the planner to write")
     replay_vllm_fa3_split_steps(heads, q_len, schedule, "length order", host_lengths=True,
-                                balanced=balanced, length_order=True)
+                                balanced=balanced, length_order=True,
+                                device_splits=device_splits)
 
 
 # (heads, q_len, seq_lens): FA3's own per-request splits, read where the route writes its

@@ -18,6 +18,7 @@ import torch
 from trtllm_mla_plugin.ops import MLADecoder
 from trtllm_mla_plugin.ops.routes.base import copy_from_host
 from trtllm_mla_plugin.ops.routes.flashinfer_mla import paged_csr
+from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import graph_replan
 
 from mla_cases import GPU_TEST_MARKS, make_problem, route_skip_reason, with_host_lengths
 
@@ -52,9 +53,11 @@ def test_copy_from_host_does_not_wait_for_the_gpu():
     assert torch.equal(dst.cpu(), torch.from_numpy(src))
 
 
-def test_vllm_fa3_graph_plan_does_not_wait_for_the_gpu():
+@pytest.mark.parametrize("device_splits", [False, True], ids=["host-splits", "gpu-planner"])
+def test_vllm_fa3_graph_plan_does_not_wait_for_the_gpu(device_splits):
     """The route's plan on a batch it launches longest first with its own KV splits (128
-    requests of 32 query rows over 2.4-4.8k tokens: both host arrays are copied)."""
+    requests of 32 query rows over 2.4-4.8k tokens: both host arrays are copied; or the
+    splits searched by the GPU planner, ``kernels.fa3_split_plan``)."""
     device = torch.device("cuda")
     lens = [4800, 2400] * 64
     p = make_problem(heads=32, block=64, lens=lens, q_lens=1, dtype=torch.bfloat16,
@@ -66,11 +69,14 @@ def test_vllm_fa3_graph_plan_does_not_wait_for_the_gpu():
                          cuda_graph=True)
     batch = with_host_lengths(p.batch)
     route = decoder.route
+    route.device_splits_override = device_splits
     took = host_seconds_while_busy(lambda: decoder.plan(batch))
     lens_host = route._order.lens_host
     assert route._ordered and lens_host is not None
-    assert route._balanced_splits(batch, lens_host) is not None
-    print(f"[vllm-fa3-mla plan, h32 b128, GPU busy {BUSY_S * 1e3:.0f} ms] "
+    assert graph_replan(route.spec, 1, lens_host, route._reserved_splits,
+                        route._planned_splits, route._sms) is not None
+    print(f"[vllm-fa3-mla plan, h32 b128, {'GPU planner' if device_splits else 'host splits'}, "
+          f"GPU busy {BUSY_S * 1e3:.0f} ms] "
           f"{took * 1e3:.3f} ms")
     assert took < NO_WAIT_S
 

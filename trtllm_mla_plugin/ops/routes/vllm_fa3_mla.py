@@ -44,6 +44,8 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -141,6 +143,16 @@ def graph_splits(spec: DecodeSpec, batch: DecodeBatch, sms: int) -> tuple[int, i
     return reserved, planned
 
 
+def graph_may_replan(spec: DecodeSpec, max_q_len: int, batch_size: int, planned: int,
+                     sms: int, spill: float | None = None) -> bool:
+    """Whether any lengths of a step of ``batch_size`` requests could make the route write
+    its own splits under CUDA graphs (``graph_replan``): the plan has per-request splits
+    (a cap ``planned`` of at least 2) and FA3's plan may spill into the band."""
+    tiles = policy.query_tiles(spec, max_q_len)
+    widest = fa3_splits.widest_band(spec.num_heads * max_q_len) if spill is None else spill
+    return planned >= 2 and fa3_splits.may_spill(tiles * batch_size, sms, widest)
+
+
 def graph_replan(spec: DecodeSpec, max_q_len: int, lens: np.ndarray, reserved: int,
                  planned: int, sms: int, spill: float | None = None) -> np.ndarray | None:
     """The splits the route writes over FA3's under CUDA graphs for a step of ``lens``
@@ -148,10 +160,9 @@ def graph_replan(spec: DecodeSpec, max_q_len: int, lens: np.ndarray, reserved: i
     (``graph_splits``): ``fa3_splits.balanced_splits``' where the plan has per-request
     splits and FA3's may spill into the band (``spill``: the band's bound instead of
     ``fa3_splits.spill_band``'s), else ``None`` (FA3's own)."""
-    tiles = policy.query_tiles(spec, max_q_len)
-    widest = fa3_splits.widest_band(spec.num_heads * max_q_len) if spill is None else spill
-    if planned < 2 or not fa3_splits.may_spill(tiles * lens.shape[0], sms, widest):
+    if not graph_may_replan(spec, max_q_len, lens.shape[0], planned, sms, spill):
         return None
+    tiles = policy.query_tiles(spec, max_q_len)
     kv_tiles = -(-lens.astype(np.int64) // policy.FA3_KV_TILE)
     return fa3_splits.balanced_splits(kv_tiles, tiles, reserved, sms,
                                       policy.query_tile_rows(spec, max_q_len), planned, spill)
@@ -289,6 +300,10 @@ class VllmFA3MLARoute(DecodeRoute):
         #: Benchmarks: launch with the requests in length order (True) or as given (False)
         #: instead of ``policy.vllm_fa3_length_order``.
         self.length_order_override: bool | None = None
+        #: Benchmarks: search the balanced splits on the GPU (True) or the host (False)
+        #: instead of as ``policy.VLLM_FA3_DEVICE_SPLITS`` says.
+        self.device_splits_override: bool | None = None
+        self._split_planner = None
         self._order = LengthOrder(max_batch_size, device)
         self._ordered = False
         self._reserved_splits = self._planned_splits = 0
@@ -337,28 +352,56 @@ class VllmFA3MLARoute(DecodeRoute):
             self._scheduler[n: self._scheduler_written].zero_()
         self._scheduler_written = n
         self._metadata = self._scheduler[:n]
-        splits = self._balanced_splits(batch, lens_host)
-        if splits is not None:
-            # FA3's metadata: each request's query rows, then its splits (what the kernel and
-            # FA3's combine read), each vector padded to a multiple of 4 requests.
-            offset = fa3_splits_offset(b)
-            copy_from_host(self._scheduler[offset: offset + b], splits)
+        self._write_balanced_splits(batch, lens_host)
         self._batch = batch
 
-    def _balanced_splits(self, batch: DecodeBatch,
-                         lens_host: np.ndarray | None) -> np.ndarray | None:
-        """Splits per request that fill FA3's grid better than its own formula
+    def _write_balanced_splits(self, batch: DecodeBatch, lens_host: np.ndarray | None) -> None:
+        """Write splits per request that fill FA3's grid better than its own formula
         (``fa3_splits.balanced_splits``, searched every step: run 246 found no host time
-        saved by repeating the last answer while the KV tiles stay), or ``None`` to keep
+        saved by repeating the last answer while the KV tiles stay) over FA3's, or keep
         FA3's: under CUDA graphs, where the plan has per-request splits (a cap of >= 2) and
-        the host has the step's lengths (``lens_host``, in the order FA3 is launched on)."""
+        the host has the step's lengths (``lens_host``, in the order FA3 is launched on).
+        Searched on the host, or on the GPU from the same lengths there
+        (``_device_splits``)."""
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
         if not wanted or lens_host is None:
-            return None
-        return graph_replan(self.spec, batch.max_q_len, lens_host, self._reserved_splits,
-                            self._planned_splits, self._sms, self.spill_override)
+            return
+        b, spec = batch.batch_size, self.spec
+        # FA3's metadata: each request's query rows, then its splits (what the kernel and
+        # FA3's combine read), each vector padded to a multiple of 4 requests.
+        offset = fa3_splits_offset(b)
+        if self._device_splits():
+            if graph_may_replan(spec, batch.max_q_len, b, self._planned_splits, self._sms,
+                                self.spill_override):
+                self._split_planner.write(
+                    self._order.seq_lens if self._ordered else self._seq_lens,
+                    self._scheduler[offset: offset + b],
+                    query_tiles=policy.query_tiles(spec, batch.max_q_len),
+                    request_rows=spec.num_heads * batch.max_q_len,
+                    max_splits=self._reserved_splits, sms=self._sms,
+                    fa3_cap=self._planned_splits, spill=self.spill_override)
+            return
+        splits = graph_replan(spec, batch.max_q_len, lens_host, self._reserved_splits,
+                              self._planned_splits, self._sms, self.spill_override)
+        if splits is not None:
+            copy_from_host(self._scheduler[offset: offset + b], splits)
+
+    def _device_splits(self) -> bool:
+        """Whether the balanced splits are searched on the GPU (``kernels.fa3_split_plan``;
+        a band given as infinite stays on the host); creates the planner on first use."""
+        wanted = self.device_splits_override
+        if wanted is None:
+            wanted = policy.VLLM_FA3_DEVICE_SPLITS
+        if not wanted or (self.spill_override is not None
+                          and not math.isfinite(self.spill_override)):
+            return False
+        if self._split_planner is None:
+            from ..kernels.fa3_split_plan import FA3SplitPlanner
+
+            self._split_planner = FA3SplitPlanner(self.device)
+        return True
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
         """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3

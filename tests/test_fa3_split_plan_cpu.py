@@ -1,0 +1,81 @@
+"""The GPU planner of FA3's splits (``kernels.fa3_split_plan``) without a GPU: under Triton's
+CPU interpreter on random decode steps against the host's ``fa3_splits.balanced_splits``
+(tests/fa3_split_plan_cases.py), and compiled for Hopper with its float64 spans kept out
+of fused multiply-adds (the host rounds each product). On the GPU the same cases and the
+``vllm-fa3-mla`` route's graph replays on the planner run in
+tests/gpu/test_cuda_graph_gpu.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_planner_equals_host_plan_under_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(HERE / "fa3_split_plan_cases.py"), "400",
+                           "--seed", "11", "--device", "cpu"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("400 steps equal to the host's plan")
+    # Every way a step can end was reached: kept, replanned in the band and past it (one
+    # wave), and batch sizes the host turns away without a launch.
+    counts = dict(part.rsplit(" ", 1) for part in line.split(": ", 1)[1].split(", "))
+    for outcome in ("kept", "not launched", "replanned in the band", "replanned past the band"):
+        assert int(counts.get(outcome, 0)) >= 10, line
+
+
+def test_route_plans_the_same_splits_on_the_planner():
+    """The ``vllm-fa3-mla`` route's plan on the CPU (its FA3 module a stand-in): the planner
+    reads the lengths in the order FA3 runs them and writes where the host's splits go."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(HERE / "fa3_split_plan_cases.py"), "150",
+                           "--seed", "3", "--route"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("route: 150 steps, the same metadata either way")
+    assert int(line.split(", ")[-1].split()[0]) >= 20, line
+
+
+def test_planner_compiles_for_hopper_without_fma():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trtllm_mla_plugin.ops.kernels import fa3_split_plan as kernels
+
+    sig = {"seq_lens_ptr": "*i32", "sizes_ptr": "*i32", "consts_ptr": "*fp64",
+           "splits_ptr": "*i32"}
+    sig.update({name: "i32" for name in ("batch", "query_tiles", "request_rows", "max_splits",
+                                         "fa3_cap", "sms", "num_sizes", "narrow_band",
+                                         "wide_band")})
+    consts = {"BLOCK_B": 256, "SIZES_BLOCK": 128, "CHUNK": kernels.SIZE_CHUNK, "KV_TILE": 64,
+              "NARROW_ROWS": 48, "NARROW_MIN_MEAN_TILES": 32, "CHEAP_ROWS": 16,
+              "MIN_SPLIT_TILES": 16, "SHORT_MAX_TILES": 40}
+    sig.update({name: "constexpr" for name in consts})
+    try:
+        compiled = triton.compile(
+            ASTSource(kernels._fa3_balanced_splits_kernel, sig, consts),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4, "enable_fp_fusion": False})
+    except RuntimeError as exc:  # no CUDA toolchain in this triton build
+        if "ptxas" in str(exc) or "backend" in str(exc):
+            pytest.skip(f"triton cannot target CUDA here: {exc}")
+        raise
+    ptx = compiled.asm["ptx"]
+    assert "mul.rn.f64" in ptx or "mul.f64" in ptx  # the spans are float64
+    assert "fma.rn.f64" not in ptx

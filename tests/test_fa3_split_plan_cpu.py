@@ -17,16 +17,21 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def test_planner_equals_host_plan_under_interpreter():
+def _interpreted_cases(*args: str) -> str:
+    """The last line ``tests/fa3_split_plan_cases.py ARGS`` prints under Triton's CPU
+    interpreter (it fails the test on any step that differs)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "fa3_split_plan_cases.py"), "400",
-                           "--seed", "11", "--device", "cpu"],
+    proc = subprocess.run([sys.executable, str(HERE / "fa3_split_plan_cases.py"), *args],
                           env=env, capture_output=True, text=True, timeout=600)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    line = proc.stdout.strip().splitlines()[-1]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_planner_equals_host_plan_under_interpreter():
+    line = _interpreted_cases("400", "--seed", "11", "--device", "cpu")
     assert line.startswith("400 steps equal to the host's plan")
     # Every way a step can end was reached: kept, replanned in the band and past it (one
     # wave), and batch sizes the host turns away without a launch.
@@ -38,15 +43,7 @@ def test_planner_equals_host_plan_under_interpreter():
 def test_route_plans_the_same_splits_on_the_planner():
     """The ``vllm-fa3-mla`` route's plan on the CPU (its FA3 module a stand-in): the planner
     reads the lengths in the order FA3 runs them and writes where the host's splits go."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "fa3_split_plan_cases.py"), "150",
-                           "--seed", "3", "--route"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    line = proc.stdout.strip().splitlines()[-1]
+    line = _interpreted_cases("150", "--seed", "3", "--route")
     assert line.startswith("route: 150 steps, the same metadata either way")
     assert int(line.split(", ")[-1].split()[0]) >= 20, line
 

@@ -16,9 +16,10 @@ step does so as often as in decode. Writes ``DIR/plan_host.csv`` (route, lengths
 batch, GPU state, median and mean host us per plan); with ``--host-profile`` also
 ``DIR/plan_profile.txt``, each plan's functions by host time (``host_profile``).
 
-Row ``vllm-fa3-mla:gpu-planner``: the route with its balanced splits searched on the GPU
-(``kernels.fa3_split_plan``) instead of on the host. Row ``policy``: the decoder an engine
-builds (every route its CUDA-graph ranking can pick, the route ranked per batch). Row
+Row ``vllm-fa3-mla:gpu-plan``: the route with its length order and balanced splits
+computed on the GPU (``policy.VLLM_FA3_DEVICE_PLAN``) instead of on the host. Row
+``policy``: the decoder an engine builds (every route its CUDA-graph ranking can pick, the
+route ranked per batch). Row
 ``peer:vllm-fa3-mla``: the per-step work of vLLM's own FLASH_ATTN_MLA builder under full
 CUDA graphs (``FlashAttnMLAMetadataBuilder._build_decode``: the longest query from the host
 offsets, FA3's scheduler metadata, its copy into a persistent buffer and the zeroed tail),
@@ -60,7 +61,7 @@ from trtllm_mla_plugin.ops.platform import platform_of
 #: (route, KV dtype, host lengths given)
 CASES = [("flashinfer-fa3", "bf16", True), ("flashinfer-fa3", "bf16", False),
          ("flashmla", "bf16", True), ("flashmla-fp8", "fp8", True),
-         ("vllm-fa3-mla", "bf16", True), ("vllm-fa3-mla:gpu-planner", "bf16", True),
+         ("vllm-fa3-mla", "bf16", True), ("vllm-fa3-mla:gpu-plan", "bf16", True),
          ("peer:vllm-fa3-mla", "bf16", True),
          ("peer:vllm-flashmla-fp8", "fp8", True), ("policy", "bf16", True)]
 #: Requests the ``policy`` decoder is built for (as an engine's ``max_num_seqs``): it holds
@@ -233,8 +234,8 @@ def case_decoder(route: str, kv: str, host: bool, b: int, heads: int, width: int
         dec = MLADecoder(spec, device, max(b, POLICY_MAX_BATCH), cuda_graph=True)
     else:
         dec = MLADecoder(spec, device, b, route=forced, cuda_graph=True)
-        if variant == "gpu-planner":
-            dec.route.device_splits_override = True
+        if variant == "gpu-plan":
+            dec.route.device_plan_override = True
     return dec, decode_stream(batch)
 
 

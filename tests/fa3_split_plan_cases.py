@@ -1,13 +1,14 @@
-"""Random decode steps for the GPU planner of FA3's splits (``kernels.fa3_split_plan``),
-each checked against the host's ``fa3_splits.balanced_splits``: the same splits where the
-host replans, nothing written where it keeps FA3's plan. Imported by
+"""Random decode steps for the GPU plan of the ``vllm-fa3-mla`` route: the planner of FA3's
+splits (``kernels.fa3_split_plan``) against the host's ``fa3_splits.balanced_splits`` (the
+same splits where the host replans, nothing written where it keeps FA3's plan), the length
+order (``kernels.length_order``, ``--length-order``) against numpy's. Imported by
 tests/test_fa3_split_plan_cpu.py and tests/gpu/test_cuda_graph_gpu.py; run as a script
 (``TRITON_INTERPRET=1`` on the CPU) it checks ``N`` random steps on the default device:
 
     TRITON_INTERPRET=1 python tests/fa3_split_plan_cases.py [N] [--device cpu|cuda]
 
-``--route`` checks the ``vllm-fa3-mla`` route's plan on the CPU both ways; on a GPU
-``--time 33,48,96`` times one launch per batch size.
+``--route`` checks the route's whole plan on the CPU both ways; on a GPU
+``--time 33,48,96`` times each kernel's launch per batch size.
 """
 
 from __future__ import annotations
@@ -106,11 +107,48 @@ def check_steps(count: int, seed: int, device: torch.device) -> Counter:
     return outcomes
 
 
+def check_length_order(count: int, seed: int, device: torch.device) -> int:
+    """``kernels.length_order`` on ``count`` random batches (2-300 requests, many equal
+    lengths, block tables of 1-600 columns as views of wider rows) against numpy's stable
+    argsort longest first: the packed offsets, lengths, query rows and order, and the
+    ordered block-table rows. Returns how many batches had equal lengths to break ties."""
+    from trtllm_mla_plugin.ops.kernels.length_order import length_order
+
+    rng = np.random.default_rng(seed)
+    ties = 0
+    for _ in range(count):
+        b = int(rng.integers(2, 301))
+        max_batch = b + int(rng.integers(0, 40))
+        lens = rng.integers(0, int(rng.choice([4, 64, 9000])), b).astype(np.int32)
+        width = int(rng.integers(1, 601))
+        q_len = int(rng.integers(1, 5))
+        wide = torch.from_numpy(rng.integers(0, 1 << 20, (b, width + 7)).astype(np.int32))
+        table = wide.to(device)[:, 3: 3 + width]
+        packed = torch.full((4 * max_batch + 1,), -5, dtype=torch.int32, device=device)
+        ordered = torch.full((max_batch, width + 2), -5, dtype=torch.int32, device=device)
+        length_order(torch.from_numpy(lens).to(device), table, q_len, packed, ordered,
+                     max_batch)
+        order = np.argsort(-lens.astype(np.int64), kind="stable")
+        got, n = packed.cpu().numpy(), max_batch
+        want = {"offsets": np.append(order * q_len, b * q_len), "lengths": lens[order],
+                "query rows": np.full(b, q_len), "order": order}
+        have = {"offsets": got[: b + 1], "lengths": got[n + 1: n + 1 + b],
+                "query rows": got[2 * n + 1: 2 * n + 1 + b], "order": got[3 * n + 1: 3 * n + 1 + b]}
+        for name in want:
+            if not np.array_equal(have[name], want[name]):
+                raise AssertionError(f"b{b} {name}: {have[name][:12]} want {want[name][:12]}")
+        if not torch.equal(ordered[:b, :width].cpu(), table.cpu()[torch.from_numpy(order)]):
+            raise AssertionError(f"b{b} width {width}: ordered block-table rows differ")
+        ties += len(np.unique(lens)) < b
+    return ties
+
+
 def check_route_steps(count: int, seed: int) -> int:
     """The ``vllm-fa3-mla`` route's plan on the CPU, its FA3 module a stand-in whose
-    scheduler metadata is all ones: with the splits searched on the GPU planner and on the
-    host, ``count`` random batches in the band (launched longest first and as given) must
-    leave the same metadata. Returns how many steps replanned."""
+    scheduler metadata is all ones: with its length order and splits computed on the GPU
+    (``policy.VLLM_FA3_DEVICE_PLAN``) and on the host, ``count`` random batches in the band
+    (launched longest first and as given) must leave the same metadata and, longest first,
+    the same ordered tables. Returns how many steps replanned the splits."""
     import sys
     import types
 
@@ -128,35 +166,41 @@ def check_route_steps(count: int, seed: int) -> int:
         heads = rng.choice([h for h in HEADS if step["rows"] % h == 0 and step["rows"] // h <= 4])
         q_len = step["rows"] // heads
         spec = DecodeSpec(heads, 512, 64, 64, torch.bfloat16, torch.bfloat16, 0.1, q_len)
-        lens = torch.tensor([max(n, 1) for n in step["lens"]], dtype=torch.int32)
+        lens = torch.tensor(step["lens"], dtype=torch.int32)
         b = lens.shape[0]
         width = int(lens.max()) // 64 + 1
-        batch = DecodeBatch(torch.zeros(b, width, dtype=torch.int32), lens, int(lens.max()),
-                            max_q_len=q_len, num_tokens=b * q_len, kv_tokens=int(lens.sum()),
-                            seq_lens_host=lens.clone())
+        table = torch.arange(b * width, dtype=torch.int32).view(b, width)
+        batch = DecodeBatch(table, lens, int(lens.max()), max_q_len=q_len, num_tokens=b * q_len,
+                            kv_tokens=int(lens.sum()), seq_lens_host=lens.clone())
         ordered = rng.random() < 0.5
-        metadata = []
+        plans = []
         for on_device in (False, True):
             route = vllm_fa3_mla.VllmFA3MLARoute(spec, torch.device("cpu"), b, cuda_graph=True)
-            route.device_splits_override = on_device
+            route.device_plan_override = on_device
             route.length_order_override = ordered
             route.plan(batch)
-            metadata.append(route._scheduler.clone())
-        if not torch.equal(*metadata):
-            raise AssertionError(f"route h{heads} q{q_len} b{b} ordered={ordered} "
-                                 f"{lens.tolist()[:8]}: host {metadata[0].tolist()[:24]} "
-                                 f"GPU planner {metadata[1].tolist()[:24]}")
-        replanned += bool((metadata[0] != 1).any())
+            order = route._order
+            plans.append([route._scheduler.clone()] + ([
+                t.clone() for t in (order.cu_seqlens_q, order.seqused_q, order.seq_lens,
+                                    order.block_table)] if ordered else []))
+        for host, gpu in zip(*plans, strict=True):
+            if not torch.equal(host, gpu):
+                raise AssertionError(f"route h{heads} q{q_len} b{b} ordered={ordered} "
+                                     f"{lens.tolist()[:8]}: host {host.flatten()[:24].tolist()} "
+                                     f"GPU plan {gpu.flatten()[:24].tolist()}")
+        replanned += bool((plans[0][0] != 1).any())
     return replanned
 
 
-def time_planner(batches: list[int], rows: int = 16, reps: int = 20) -> list[str]:
-    """GPU microseconds of one planner launch per batch size (``reps`` launches captured in
-    one CUDA graph, ``triton.testing.do_bench`` median of its replays, divided by ``reps``)
-    on lengths of 1-8k tokens; what the plan adds to each decode step's GPU time."""
+def time_gpu_plan(batches: list[int], rows: int = 16, reps: int = 20) -> list[str]:
+    """GPU microseconds a decode step's GPU plan adds, per batch size: one launch of the
+    splits planner and one of the length order (a 130-column block table), each ``reps``
+    launches captured in one CUDA graph, ``triton.testing.do_bench`` median of its replays
+    over ``reps``; lengths of 1-8k tokens."""
     import triton
 
     from trtllm_mla_plugin.ops.kernels.fa3_split_plan import FA3SplitPlanner
+    from trtllm_mla_plugin.ops.kernels.length_order import length_order
 
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -165,22 +209,29 @@ def time_planner(batches: list[int], rows: int = 16, reps: int = 20) -> list[str
     lines = []
     for b in batches:
         lens = torch.randint(1, 8192, (b,), generator=rng, dtype=torch.int32).to(device)
-        splits = torch.ones_like(lens)
+        table = torch.randint(0, 1 << 20, (b, 130), generator=rng, dtype=torch.int32).to(device)
+        splits, packed = torch.ones_like(lens), torch.zeros(4 * b + 1, dtype=torch.int32,
+                                                             device=device)
+        ordered = torch.zeros_like(table)
 
-        def write(lens=lens, splits=splits):
-            return planner.write(lens, splits, query_tiles=-(-rows // 64), request_rows=rows,
-                                 max_splits=64, sms=sms, fa3_cap=32)
+        def plan_splits(lens=lens, splits=splits):
+            planner.write(lens, splits, query_tiles=-(-rows // 64), request_rows=rows,
+                          max_splits=64, sms=sms, fa3_cap=32)
 
-        if not write():
-            lines.append(f"b{b}: not launched")
-            continue
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                write()
-        us = triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / reps
-        lines.append(f"b{b}: {us:.2f} us a launch")
+        def order(lens=lens, table=table, packed=packed, ordered=ordered, b=b):
+            length_order(lens, table, 1, packed, ordered, b)
+
+        timings = []
+        for name, call in (("splits planner", plan_splits), ("length order", order)):
+            call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(reps):
+                    call()
+            us = triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / reps
+            timings.append(f"{name} {us:.2f} us")
+        lines.append(f"b{b}: " + ", ".join(timings))
     return lines
 
 
@@ -190,16 +241,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--route", action="store_true",
-                    help="the route's plan on the CPU, host search against the planner")
+                    help="the route's plan on the CPU, the host's against the GPU plan")
+    ap.add_argument("--length-order", action="store_true",
+                    help="kernels.length_order against numpy's stable argsort")
     ap.add_argument("--time", default="",
-                    help="comma-separated batch sizes: GPU time of one launch each (CUDA)")
+                    help="comma-separated batch sizes: GPU time of each kernel's launch (CUDA)")
     args = ap.parse_args()
     if args.time:
-        print("\n".join(time_planner([int(b) for b in args.time.split(",")])))
+        print("\n".join(time_gpu_plan([int(b) for b in args.time.split(",")])))
+        return
+    if args.length_order:
+        ties = check_length_order(args.count, args.seed, torch.device(args.device))
+        print(f"length order: {args.count} batches equal to numpy's, {ties} with ties")
         return
     if args.route:
         replanned = check_route_steps(args.count, args.seed)
-        print(f"route: {args.count} steps, the same metadata either way, {replanned} replanned")
+        print(f"route: {args.count} steps, the same plan either way, {replanned} replanned")
         return
     outcomes = check_steps(args.count, args.seed, torch.device(args.device))
     print(f"{args.count} steps equal to the host's plan: "

@@ -1,8 +1,10 @@
-"""The GPU planner of FA3's splits (``kernels.fa3_split_plan``) without a GPU: under Triton's
-CPU interpreter on random decode steps against the host's ``fa3_splits.balanced_splits``
-(tests/fa3_split_plan_cases.py), and compiled for Hopper with its float64 spans kept out
-of fused multiply-adds (the host rounds each product). On the GPU the same cases and the
-``vllm-fa3-mla`` route's graph replays on the planner run in
+"""The ``vllm-fa3-mla`` route's GPU plan without a GPU: the planner of FA3's splits
+(``kernels.fa3_split_plan``) under Triton's CPU interpreter on random decode steps against
+the host's ``fa3_splits.balanced_splits``, the length order (``kernels.length_order``)
+against numpy's stable argsort, the route's whole plan both ways
+(tests/fa3_split_plan_cases.py), and both kernels compiled for Hopper, the planner's
+float64 spans kept out of fused multiply-adds (the host rounds each product). On the GPU
+the same cases and the route's graph replays on the GPU plan run in
 tests/gpu/test_cuda_graph_gpu.py."""
 
 from __future__ import annotations
@@ -40,11 +42,18 @@ def test_planner_equals_host_plan_under_interpreter():
         assert int(counts.get(outcome, 0)) >= 10, line
 
 
-def test_route_plans_the_same_splits_on_the_planner():
-    """The ``vllm-fa3-mla`` route's plan on the CPU (its FA3 module a stand-in): the planner
-    reads the lengths in the order FA3 runs them and writes where the host's splits go."""
+def test_length_order_equals_stable_argsort_under_interpreter():
+    line = _interpreted_cases("12", "--seed", "4", "--length-order", "--device", "cpu")
+    assert line.startswith("length order: 12 batches equal to numpy's")
+    assert int(line.split(", ")[-1].split()[0]) >= 6, line  # ties broken in batch order
+
+
+def test_route_plans_the_same_on_the_gpu_plan():
+    """The ``vllm-fa3-mla`` route's plan on the CPU (its FA3 module a stand-in): the GPU
+    plan orders the tables as the host does, and the planner reads the lengths in the
+    order FA3 runs them and writes where the host's splits go."""
     line = _interpreted_cases("150", "--seed", "3", "--route")
-    assert line.startswith("route: 150 steps, the same metadata either way")
+    assert line.startswith("route: 150 steps, the same plan either way")
     assert int(line.split(", ")[-1].split()[0]) >= 20, line
 
 
@@ -76,3 +85,25 @@ def test_planner_compiles_for_hopper_without_fma():
     ptx = compiled.asm["ptx"]
     assert "mul.rn.f64" in ptx or "mul.f64" in ptx  # the spans are float64
     assert "fma.rn.f64" not in ptx
+
+
+def test_length_order_compiles_for_hopper():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trtllm_mla_plugin.ops.kernels import length_order as kernels
+
+    sig = {"seq_lens_ptr": "*i32", "table_ptr": "*i32", "table_stride": "i32",
+           "packed_ptr": "*i32", "ordered_ptr": "*i32", "ordered_stride": "i32",
+           "batch": "i32", "max_batch": "i32", "q_len": "i32", "width": "i32"}
+    consts = {"BLOCK_B": 1024, "CHUNK": kernels.TABLE_CHUNK}
+    sig.update({name: "constexpr" for name in consts})
+    try:
+        compiled = triton.compile(ASTSource(kernels._length_order_kernel, sig, consts),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except RuntimeError as exc:  # no CUDA toolchain in this triton build
+        if "ptxas" in str(exc) or "backend" in str(exc):
+            pytest.skip(f"triton cannot target CUDA here: {exc}")
+        raise
+    assert "st.global" in compiled.asm["ptx"]

@@ -171,7 +171,7 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
                                 label: str, host_lengths: bool,
                                 balanced: bool | None = False,
                                 length_order: bool = False,
-                                device_splits: bool = False) -> list[int]:
+                                device_plan: bool = False) -> list[int]:
     """Captures the ``vllm-fa3-mla`` route under CUDA graphs on ``schedule[0]``, replays the
     other steps (each checked against float64, the launch's reserve unchanged) and returns
     the cap each step planned; skips where the route cannot run. ``host_lengths``: the batch
@@ -179,8 +179,9 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
     route's balanced splits forced on or off (``None``: its rule); when on, each replayed
     step's split vector in FA3's metadata must be ``fa3_splits.balanced_splits``' plan (of
     the lengths longest first with ``length_order``: the route then launches FA3 on the
-    requests in that order); ``device_splits``: searched by the GPU planner
-    (``kernels.fa3_split_plan``), outside the captured graph as in the engine."""
+    requests in that order); ``device_plan``: the length order and the splits computed
+    on the GPU (``kernels.length_order``, ``kernels.fa3_split_plan``), outside the captured
+    graph as in the engine."""
     device = torch.device("cuda")
     width = max(max(lens) for lens in schedule) // 64 + 1
     steps = [make_problem(heads=heads, block=64, lens=lens, q_lens=q_len,
@@ -194,7 +195,7 @@ def replay_vllm_fa3_split_steps(heads: int, q_len: int, schedule: list[list[int]
                          route="vllm-fa3-mla", cuda_graph=True)
     decoder.route.balanced_splits_override = balanced
     decoder.route.length_order_override = length_order
-    decoder.route.device_splits_override = device_splits
+    decoder.route.device_plan_override = device_plan
     num_blocks = max(p.kv_cache.shape[0] for p in steps)
     cache = torch.empty(num_blocks, 64, 576, dtype=torch.bfloat16, device=device)
     cache[: first.kv_cache.shape[0]].copy_(first.kv_cache)
@@ -286,13 +287,13 @@ BALANCED_SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("device_splits", [False, True], ids=["host", "gpu-planner"])
+@pytest.mark.parametrize("device_plan", [False, True], ids=["host", "gpu-plan"])
 @pytest.mark.parametrize("heads,q_len,schedule", BALANCED_SPLIT_CASES,
                          ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s in BALANCED_SPLIT_CASES])
-def test_vllm_fa3_graph_replays_balanced_splits(heads, q_len, schedule, device_splits):
+def test_vllm_fa3_graph_replays_balanced_splits(heads, q_len, schedule, device_plan):
     planned = replay_vllm_fa3_split_steps(heads, q_len, schedule, "balanced splits",
                                           host_lengths=True, balanced=True,
-                                          device_splits=device_splits)
+                                          device_plan=device_plan)
     assert all(p >= 1 for p in planned)
 
 
@@ -307,6 +308,18 @@ def test_split_planner_equals_host_plan_on_gpu():
     outcomes = check_steps(2000, seed=21, device=torch.device("cuda"))
     print(f"[split planner] 2000 steps equal to the host's plan: {dict(outcomes)}")
     assert outcomes["replanned past the band"] >= 50 and outcomes["kept"] >= 200
+
+
+def test_length_order_equals_stable_argsort_on_gpu():
+    """``kernels.length_order`` compiled, against numpy's stable argsort longest first on
+    300 random batches (the CPU interpreter runs 12 in CI)."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fa3_split_plan_cases import check_length_order
+
+    ties = check_length_order(300, seed=22, device=torch.device("cuda"))
+    print(f"[length order] 300 batches equal to numpy's, {ties} with ties")
+    assert ties >= 100
 
 
 # (heads, q_len, steps of seq_lens): the route launching FA3 on the requests longest first
@@ -337,15 +350,13 @@ LENGTH_ORDER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("device_splits", [False, True], ids=["host", "gpu-planner"])
+@pytest.mark.parametrize("device_plan", [False, True], ids=["host", "gpu-plan"])
 @pytest.mark.parametrize("heads,q_len,schedule,balanced", LENGTH_ORDER_CASES,
                          ids=[f"h{h}-q{q}-b{len(s[0])}" for h, q, s, _ in LENGTH_ORDER_CASES])
-def test_vllm_fa3_graph_replays_length_order(heads, q_len, schedule, balanced, device_splits):
-    if device_splits and not balanced:
-        pytest.skip("FA3's own splits: nothing for the planner to write")
+def test_vllm_fa3_graph_replays_length_order(heads, q_len, schedule, balanced, device_plan):
     replay_vllm_fa3_split_steps(heads, q_len, schedule, "length order", host_lengths=True,
                                 balanced=balanced, length_order=True,
-                                device_splits=device_splits)
+                                device_plan=device_plan)
 
 
 # (heads, q_len, seq_lens): FA3's own per-request splits, read where the route writes its

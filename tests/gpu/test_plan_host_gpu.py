@@ -53,11 +53,11 @@ def test_copy_from_host_does_not_wait_for_the_gpu():
     assert torch.equal(dst.cpu(), torch.from_numpy(src))
 
 
-@pytest.mark.parametrize("device_splits", [False, True], ids=["host-splits", "gpu-planner"])
-def test_vllm_fa3_graph_plan_does_not_wait_for_the_gpu(device_splits):
+@pytest.mark.parametrize("device_plan", [False, True], ids=["host-plan", "gpu-plan"])
+def test_vllm_fa3_graph_plan_does_not_wait_for_the_gpu(device_plan):
     """The route's plan on a batch it launches longest first with its own KV splits (128
     requests of 32 query rows over 2.4-4.8k tokens: both host arrays are copied; or the
-    splits searched by the GPU planner, ``kernels.fa3_split_plan``)."""
+    length order and splits computed on the GPU, ``policy.VLLM_FA3_DEVICE_PLAN``)."""
     device = torch.device("cuda")
     lens = [4800, 2400] * 64
     p = make_problem(heads=32, block=64, lens=lens, q_lens=1, dtype=torch.bfloat16,
@@ -69,13 +69,13 @@ def test_vllm_fa3_graph_plan_does_not_wait_for_the_gpu(device_splits):
                          cuda_graph=True)
     batch = with_host_lengths(p.batch)
     route = decoder.route
-    route.device_splits_override = device_splits
+    route.device_plan_override = device_plan
     took = host_seconds_while_busy(lambda: decoder.plan(batch))
-    lens_host = route._order.lens_host
-    assert route._ordered and lens_host is not None
+    lens_host = -np.sort(-np.asarray(lens))
+    assert route._ordered
     assert graph_replan(route.spec, 1, lens_host, route._reserved_splits,
                         route._planned_splits, route._sms) is not None
-    print(f"[vllm-fa3-mla plan, h32 b128, {'GPU planner' if device_splits else 'host splits'}, "
+    print(f"[vllm-fa3-mla plan, h32 b128, {'GPU plan' if device_plan else 'host plan'}, "
           f"GPU busy {BUSY_S * 1e3:.0f} ms] "
           f"{took * 1e3:.3f} ms")
     assert took < NO_WAIT_S

@@ -189,12 +189,14 @@ FA3_SPLIT_MARGIN = 1.1
 #: FA3's (``ops.fa3_splits.balanced_splits``) where FA3's formula, whose 10% margin leaves
 #: many batches a few work tiles past one wave of SMs, spills a second wave.
 VLLM_FA3_BALANCED_SPLITS = True
-#: ... searched on the GPU (``kernels.fa3_split_plan``: the host's plan, one small program
-#: a step, launched from the host after a batch-size check) instead of on the host, where
-#: the search was the largest part of the route's plan (runs 233b, 249) and the engine
-#: waits for that plan every step (runs 228, 231). Equal plans on the CPU's interpreter;
-#: off until the GPU has run it and its host time is measured (criteria addendum 11).
-VLLM_FA3_DEVICE_SPLITS = False
+#: The route's per-step plan computed on the GPU: its balanced splits
+#: (``kernels.fa3_split_plan``: the host's search, one small program a step, launched after
+#: a batch-size check) and its length order (``kernels.length_order``: the ordered tables
+#: and block-table rows in one launch) instead of on the host, where they were the two
+#: largest parts of the route's plan (runs 233b, 249) and the engine waits for that plan
+#: every step (runs 228, 231). The same plans under Triton's CPU interpreter; off until the
+#: GPU has run them and their host time is measured (criteria addendum 11).
+VLLM_FA3_DEVICE_PLAN = False
 #: Batches of at least this many requests reach FA3 longest first: the ``vllm-fa3-mla``
 #: route hands FA3 the requests in length order (through ``cu_seqlens_q`` and
 #: ``seqused_q``, no data moved), so the kernel's in-order persistent grid takes the long

@@ -205,27 +205,39 @@ class LengthOrder:
         self.lens_host: np.ndarray | None = None
 
     def stage(self, batch: DecodeBatch, block_table: torch.Tensor, seq_lens: torch.Tensor,
-              cu_seqlens_q: torch.Tensor, lens_host: np.ndarray | None) -> None:
-        """Write the step's tables in length order (or as given, see the class)."""
+              cu_seqlens_q: torch.Tensor, lens_host: np.ndarray | None,
+              on_device: bool = False) -> None:
+        """Write the step's tables in length order (or as given, see the class). With
+        ``on_device`` the order of a batch the host could order is found and written on
+        the GPU instead (``kernels.length_order``: the same tables in one launch); the
+        host then never learns it (``lens_host`` stays ``None``)."""
         b = batch.batch_size
-        if lens_host is not None and batch.uniform_q_len and b > 1:
-            order = np.argsort(-lens_host, kind="stable")
-            self.lens_host = lens_host[order]
-            self._stage_from_host(order, self.lens_host, batch.max_q_len)
-        else:
-            self.lens_host = lens_host
-            torch.arange(b, out=self._perm[:b])
-            torch.index_select(seq_lens, 0, self._perm[:b], out=self._seq_lens[:b])
-            torch.index_select(cu_seqlens_q[:b], 0, self._perm[:b], out=self._cu[:b])
-            self._cu[b:b + 1].copy_(cu_seqlens_q[b:b + 1])
-            torch.index_select(torch.diff(cu_seqlens_q), 0, self._perm[:b],
-                               out=self._q_lens[:b])
         width = block_table.shape[1]
         if self._table is None or self._table.shape[1] < width:
             self._table = torch.zeros(self._max, width, dtype=torch.int32,
                                       device=self._packed.device)
         self.block_table = self._table[:b, :width]
-        torch.index_select(block_table, 0, self._perm[:b], out=self.block_table)
+        ordered = lens_host is not None and batch.uniform_q_len and b > 1
+        if ordered and on_device:
+            from ..kernels.length_order import length_order
+
+            length_order(seq_lens, block_table, batch.max_q_len, self._packed, self._table,
+                         self._max)
+            self.lens_host = None
+        else:
+            if ordered:
+                order = np.argsort(-lens_host, kind="stable")
+                self.lens_host = lens_host[order]
+                self._stage_from_host(order, self.lens_host, batch.max_q_len)
+            else:
+                self.lens_host = lens_host
+                torch.arange(b, out=self._perm[:b])
+                torch.index_select(seq_lens, 0, self._perm[:b], out=self._seq_lens[:b])
+                torch.index_select(cu_seqlens_q[:b], 0, self._perm[:b], out=self._cu[:b])
+                self._cu[b:b + 1].copy_(cu_seqlens_q[b:b + 1])
+                torch.index_select(torch.diff(cu_seqlens_q), 0, self._perm[:b],
+                                   out=self._q_lens[:b])
+            torch.index_select(block_table, 0, self._perm[:b], out=self.block_table)
         self.seq_lens = self._seq_lens[:b]
         self.cu_seqlens_q = self._cu[: b + 1]
         self.seqused_q = self._q_lens[:b]
@@ -300,9 +312,9 @@ class VllmFA3MLARoute(DecodeRoute):
         #: Benchmarks: launch with the requests in length order (True) or as given (False)
         #: instead of ``policy.vllm_fa3_length_order``.
         self.length_order_override: bool | None = None
-        #: Benchmarks: search the balanced splits on the GPU (True) or the host (False)
-        #: instead of as ``policy.VLLM_FA3_DEVICE_SPLITS`` says.
-        self.device_splits_override: bool | None = None
+        #: Benchmarks: the length order and balanced splits computed on the GPU (True) or
+        #: the host (False) instead of as ``policy.VLLM_FA3_DEVICE_PLAN`` says.
+        self.device_plan_override: bool | None = None
         self._split_planner = None
         self._order = LengthOrder(max_batch_size, device)
         self._ordered = False
@@ -327,9 +339,12 @@ class VllmFA3MLARoute(DecodeRoute):
         self._ordered = (policy.vllm_fa3_length_order(b) if self.length_order_override is None
                          else self.length_order_override)
         lens_host = None if batch.seq_lens_host is None else batch.seq_lens_host.numpy()
+        on_device = self._device_plan()
         if self._ordered:
-            self._order.stage(batch, self._block_table, self._seq_lens, cu, lens_host)
-            lens_host = self._order.lens_host
+            self._order.stage(batch, self._block_table, self._seq_lens, cu, lens_host,
+                              on_device)
+            if not on_device:
+                lens_host = self._order.lens_host
         self._reserved_splits, self._planned_splits = self._splits(batch)
         metadata = self._fa.get_scheduler_metadata(
             batch_size=b,
@@ -352,17 +367,18 @@ class VllmFA3MLARoute(DecodeRoute):
             self._scheduler[n: self._scheduler_written].zero_()
         self._scheduler_written = n
         self._metadata = self._scheduler[:n]
-        self._write_balanced_splits(batch, lens_host)
+        self._write_balanced_splits(batch, lens_host, on_device)
         self._batch = batch
 
-    def _write_balanced_splits(self, batch: DecodeBatch, lens_host: np.ndarray | None) -> None:
+    def _write_balanced_splits(self, batch: DecodeBatch, lens_host: np.ndarray | None,
+                               on_device: bool) -> None:
         """Write splits per request that fill FA3's grid better than its own formula
         (``fa3_splits.balanced_splits``, searched every step: run 246 found no host time
         saved by repeating the last answer while the KV tiles stay) over FA3's, or keep
         FA3's: under CUDA graphs, where the plan has per-request splits (a cap of >= 2) and
         the host has the step's lengths (``lens_host``, in the order FA3 is launched on).
-        Searched on the host, or on the GPU from the same lengths there
-        (``_device_splits``)."""
+        Searched on the host, or ``on_device`` by the GPU planner from the lengths FA3
+        reads (``_device_plan``)."""
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS
@@ -372,7 +388,7 @@ class VllmFA3MLARoute(DecodeRoute):
         # FA3's metadata: each request's query rows, then its splits (what the kernel and
         # FA3's combine read), each vector padded to a multiple of 4 requests.
         offset = fa3_splits_offset(b)
-        if self._device_splits():
+        if on_device:
             if graph_may_replan(spec, batch.max_q_len, b, self._planned_splits, self._sms,
                                 self.spill_override):
                 self._split_planner.write(
@@ -388,12 +404,13 @@ class VllmFA3MLARoute(DecodeRoute):
         if splits is not None:
             copy_from_host(self._scheduler[offset: offset + b], splits)
 
-    def _device_splits(self) -> bool:
-        """Whether the balanced splits are searched on the GPU (``kernels.fa3_split_plan``;
-        a band given as infinite stays on the host); creates the planner on first use."""
-        wanted = self.device_splits_override
+    def _device_plan(self) -> bool:
+        """Whether the step's length order and balanced splits are computed on the GPU
+        (``kernels.length_order``, ``kernels.fa3_split_plan``; a band given as infinite
+        keeps the host's); creates the splits planner on first use."""
+        wanted = self.device_plan_override
         if wanted is None:
-            wanted = policy.VLLM_FA3_DEVICE_SPLITS
+            wanted = policy.VLLM_FA3_DEVICE_PLAN
         if not wanted or (self.spill_override is not None
                           and not math.isfinite(self.spill_override)):
             return False

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-11) and not
+# yet run, one phase per device call (each under its 10-minute limit). Run from the
+# repository root on the GPU machine after the kit's calls (../shared/device/
+# fetch-vllm-kit.sh: its header says how); logs go to OUT (the device's $OUT).
+#
+#   bash benchmarks/declared_gpu_runs.sh tests OUT  # split-KV tests and the FA3 GPU plan's
+#   bash benchmarks/declared_gpu_runs.sh r259 OUT   # decoder on vLLM's query parts vs kernel
+#   bash benchmarks/declared_gpu_runs.sh r260 OUT   # the FA3 route's GPU plan: host/GPU time
+#   bash benchmarks/declared_gpu_runs.sh r257 OUT   # H200: one CTA per SM against two
+#   bash benchmarks/declared_gpu_runs.sh pair48 OUT # band engine pair, b48, 61 layers
+#   bash benchmarks/declared_gpu_runs.sh pair80 OUT # the same at b80
+#   bash benchmarks/declared_gpu_runs.sh b32-fa3 OUT       # h16 b32 against FLASH_ATTN_MLA
+#   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
+#
+# Which phase decides what, and the readings fixed before any of them ran: the addenda.
+# pair48 and pair80 are declared only after r260 turns policy.VLLM_FA3_DEVICE_PLAN on.
+set -u
+phase="${1:?phase: tests, r259, r260, r257, pair48, pair80, b32-fa3 or b32-flashmla}"
+out="${2:?output directory}"
+mkdir -p "$out"
+export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
+export VLLM_USE_FLASHINFER_SAMPLER=0
+gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+echo "$gpu" > "$out/gpu.txt"
+decode_bench=(python3 benchmarks/bench_decode.py --graph-only --query-parts --kv bf16
+              --no-grid --no-prewarm --random-count 400 --random-request-rows 8-16
+              --random-batches 33-1024 --rounds 3)
+engine_pair=(python3 benchmarks/bench_engine.py --heads 16 --output-len 336 --short-len 16
+             --repeats 2 --no-warmup-engine --paired --kv auto --rounds 3)
+case "$phase" in
+  tests)  # addenda 10 and 11
+    timeout 330 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_splitk_gpu.py \
+      tests/gpu/test_decode_routes_gpu.py -k "splitk or one_row_group" \
+      > "$out/pytest-splitk.log" 2>&1
+    tail -8 "$out/pytest-splitk.log"
+    timeout 240 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py \
+      tests/gpu/test_plan_host_gpu.py -k "balanced or length_order or planner or plan_host" \
+      > "$out/pytest-plan.log" 2>&1
+    tail -8 "$out/pytest-plan.log"
+    ;;
+  r259)  # addendum 10: the card's default launch
+    case "$gpu" in *H100*) launch="3,1,4" ;; *) launch="2,2,4" ;; esac
+    timeout 560 "${decode_bench[@]}" --out "$out/d" --random 605 --splitk-configs "$launch" \
+      > "$out/r259.log" 2>&1
+    tail -30 "$out/r259.log"
+    ;;
+  r260)  # addendum 11
+    timeout 400 python3 benchmarks/bench_plan_host.py --out "$out/p" \
+      --batches 32,48,64,96,128 --routes vllm-fa3-mla,vllm-fa3-mla:gpu-plan,peer:vllm-fa3-mla \
+      --reps 200 --rounds 4 > "$out/r260.log" 2>&1
+    timeout 120 python3 tests/fa3_split_plan_cases.py --time 33,48,64,96,128,198 \
+      >> "$out/r260.log" 2>&1
+    tail -25 "$out/r260.log"
+    ;;
+  r257)  # addendum 9, on an H200
+    timeout 560 "${decode_bench[@]}" --out "$out/d" --random 603,604 \
+      --splitk-configs "2,2,4;3,1,4" --shape-list docs/bench-2026-12-05/run257-grid.txt \
+      > "$out/r257.log" 2>&1
+    tail -30 "$out/r257.log"
+    ;;
+  pair48 | pair80)  # addendum 11, after VLLM_FA3_DEVICE_PLAN turned on (runs 247, 251)
+    timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 61 --timeout 400 \
+      --batches "${phase#pair}" --backends TRTLLM_MLA@vllm-fa3-mla,TRTLLM_MLA \
+      > "$out/$phase.log" 2>&1
+    tail -20 "$out/$phase.log"
+    ;;
+  b32-fa3 | b32-flashmla)  # gpu-validation's next order, item 3 (run 238's command)
+    baseline=FLASH_ATTN_MLA
+    [ "$phase" = b32-flashmla ] && baseline=FLASHMLA
+    timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 24 --timeout 240 --batches 32 \
+      --backends "TRTLLM_MLA,$baseline" > "$out/$phase.log" 2>&1
+    tail -12 "$out/$phase.log"
+    ;;
+  *)
+    echo "unknown phase $phase" >&2
+    exit 2
+    ;;
+esac

@@ -34,7 +34,8 @@ Read from vLLM 0.33.0 (``v1/attention/backends/mla/flashattn_mla.py``,
   per-request split counts that a launch of more splits reads ("scheduler_metadata must
   have shape", run 102). Where FA3's own plan of a step would spill a second wave of work
   tiles onto a few SMs, the route writes its own per-request splits over FA3's
-  (``ops.fa3_splits``, runs 153-156), from the host's exact lengths.
+  (``ops.fa3_splits``, runs 153-156), from the host's exact lengths (or, with
+  ``policy.VLLM_FA3_DEVICE_PLAN``, searched on the GPU from the same lengths there).
 * batch order: batches of ``policy.VLLM_FA3_LENGTH_ORDER_MIN_BATCH`` or more requests are
   launched longest first (``LengthOrder``, runs 157-158): FA3's persistent grid takes work
   tiles in batch order, and with ``seqused_q`` (which ``flash_attn_varlen_func`` does not
@@ -376,9 +377,9 @@ class VllmFA3MLARoute(DecodeRoute):
         (``fa3_splits.balanced_splits``, searched every step: run 246 found no host time
         saved by repeating the last answer while the KV tiles stay) over FA3's, or keep
         FA3's: under CUDA graphs, where the plan has per-request splits (a cap of >= 2) and
-        the host has the step's lengths (``lens_host``, in the order FA3 is launched on).
-        Searched on the host, or ``on_device`` by the GPU planner from the lengths FA3
-        reads (``_device_plan``)."""
+        the host has the step's lengths (``lens_host``; in the order FA3 is launched on
+        for the host's search). Searched on the host, or ``on_device`` by the GPU planner
+        from the lengths FA3 reads (``_device_plan``)."""
         wanted = self.balanced_splits_override
         if wanted is None:
             wanted = self.cuda_graph and policy.VLLM_FA3_BALANCED_SPLITS

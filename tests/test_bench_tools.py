@@ -2040,3 +2040,17 @@ def test_conditional_node_cost_is_each_kinds_median_over_plains(tmp_path):
         w.writerow(["switch", 64, "2.3 2.4 9.0"])
     got = cost.costs(cost.read(path))
     assert got == pytest.approx({"if": 3.2 - 2.1, "switch": 2.4 - 2.1})
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.sh")))
+def test_gpu_run_scripts_parse(script):
+    """The GPU machine's phase scripts parse (``bash -n``); a syntax error would cost a
+    device call."""
+    import subprocess
+
+    proc = subprocess.run(["bash", "-n", str(BENCHMARKS / script)], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr

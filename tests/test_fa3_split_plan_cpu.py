@@ -9,12 +9,10 @@ tests/gpu/test_cuda_graph_gpu.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from triton_cpu import compile_for_hopper, interpreted
 
 HERE = Path(__file__).resolve().parent
 
@@ -22,11 +20,7 @@ HERE = Path(__file__).resolve().parent
 def _interpreted_cases(*args: str) -> str:
     """The last line ``tests/fa3_split_plan_cases.py ARGS`` prints under Triton's CPU
     interpreter (it fails the test on any step that differs)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "fa3_split_plan_cases.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = interpreted(str(HERE / "fa3_split_plan_cases.py"), *args, timeout=600)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
@@ -58,10 +52,7 @@ def test_route_plans_the_same_on_the_gpu_plan():
 
 
 def test_planner_compiles_for_hopper_without_fma():
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from trtllm_mla_plugin.ops.kernels import fa3_split_plan as kernels
 
     sig = {"seq_lens_ptr": "*i32", "sizes_ptr": "*i32", "consts_ptr": "*fp64",
@@ -72,38 +63,20 @@ def test_planner_compiles_for_hopper_without_fma():
     consts = {"BLOCK_B": 256, "SIZES_BLOCK": 128, "CHUNK": kernels.SIZE_CHUNK, "KV_TILE": 64,
               "NARROW_ROWS": 48, "NARROW_MIN_MEAN_TILES": 32, "CHEAP_ROWS": 16,
               "MIN_SPLIT_TILES": 16, "SHORT_MAX_TILES": 40}
-    sig.update({name: "constexpr" for name in consts})
-    try:
-        compiled = triton.compile(
-            ASTSource(kernels._fa3_balanced_splits_kernel, sig, consts),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4, "enable_fp_fusion": False})
-    except RuntimeError as exc:  # no CUDA toolchain in this triton build
-        if "ptxas" in str(exc) or "backend" in str(exc):
-            pytest.skip(f"triton cannot target CUDA here: {exc}")
-        raise
+    compiled = compile_for_hopper(kernels._fa3_balanced_splits_kernel, sig, consts,
+                                  num_warps=4, enable_fp_fusion=False)
     ptx = compiled.asm["ptx"]
     assert "mul.rn.f64" in ptx or "mul.f64" in ptx  # the spans are float64
     assert "fma.rn.f64" not in ptx
 
 
 def test_length_order_compiles_for_hopper():
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from trtllm_mla_plugin.ops.kernels import length_order as kernels
 
     sig = {"seq_lens_ptr": "*i32", "table_ptr": "*i32", "table_stride": "i32",
            "packed_ptr": "*i32", "ordered_ptr": "*i32", "ordered_stride": "i32",
            "batch": "i32", "max_batch": "i32", "q_len": "i32", "width": "i32"}
     consts = {"BLOCK_B": 1024, "CHUNK": kernels.TABLE_CHUNK}
-    sig.update({name: "constexpr" for name in consts})
-    try:
-        compiled = triton.compile(ASTSource(kernels._length_order_kernel, sig, consts),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except RuntimeError as exc:  # no CUDA toolchain in this triton build
-        if "ptxas" in str(exc) or "backend" in str(exc):
-            pytest.skip(f"triton cannot target CUDA here: {exc}")
-        raise
+    compiled = compile_for_hopper(kernels._length_order_kernel, sig, consts, num_warps=4)
     assert "st.global" in compiled.asm["ptx"]

@@ -8,29 +8,18 @@ are checked only there (``test_kernel_gives_flashmla_schedules``)."""
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from flashmla_schedule_cases import OVERHEAD, blocks, check_schedule, flashmla_greedy
+from triton_cpu import compile_for_hopper, interpreted
 
 HERE = Path(__file__).resolve().parent
 
 
-def _interpreted(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python ARGS`` with Triton's CPU interpreter and the repo and tests importable."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_schedule_kernel_under_interpreter():
-    proc = _interpreted(str(HERE / "flashmla_schedule_cases.py"), "80")
+    proc = interpreted(str(HERE / "flashmla_schedule_cases.py"), "80")
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert ("80 cases valid and equal to FlashMLA's own (bf16 and FP8), and to its walk at "
@@ -42,7 +31,7 @@ def test_empty_batch_gives_empty_parts():
     instead of dividing by zero."""
     code = ("from flashmla_schedule_cases import plugin_schedule as s; "
             "rows, splits = s([], 4); print(rows, splits)")
-    proc = _interpreted("-c", code, timeout=120)
+    proc = interpreted("-c", code, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == str([[0, -1, 0, 0, 0, 0, 0, 0]] * 4) + " [0]"
 
@@ -80,7 +69,7 @@ def test_route_schedule_buffers_write_flashmla_schedules():
     """``FlashMLASchedule``, the routes' persistent buffers and launch, for the bf16 and
     the FP8 route: FlashMLA's part count for the query rows, the step's views, FlashMLA's
     plan in them (the interpreter, a stand-in 132-SM device)."""
-    proc = _interpreted("-c", SCHEDULE_BUFFERS_SCRIPT, timeout=240)
+    proc = interpreted("-c", SCHEDULE_BUFFERS_SCRIPT, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "schedule buffers ok" in proc.stdout
 
@@ -123,22 +112,12 @@ def test_overhead_below_one_block_is_refused():
 
 
 def test_schedule_kernel_compiles_for_hopper():
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from trtllm_mla_plugin.ops.kernels import flashmla_schedule as kernels
 
     sig = {"seq_lens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32",
            "scratch_ptr": "*i32", "scratch_stride": "i32", "owner_ptr": "*i32",
            "batch_size": "i32", "num_parts": "i32"}
     consts = {"PAGE": 64, "OVERHEAD": 5, "CHUNK": 128, "PARTS": 256, "FP8_LAYOUT": False}
-    sig.update({name: "constexpr" for name in consts})
-    try:
-        compiled = triton.compile(ASTSource(kernels._flashmla_schedule_kernel, sig, consts),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except RuntimeError as exc:  # no CUDA toolchain in this triton build
-        if "ptxas" in str(exc) or "backend" in str(exc):
-            pytest.skip(f"triton cannot target CUDA here: {exc}")
-        raise
+    compiled = compile_for_hopper(kernels._flashmla_schedule_kernel, sig, consts, num_warps=4)
     assert "bar.sync" in compiled.asm["ptx"]  # the barrier between the two passes

@@ -4,13 +4,12 @@ eligibility reasons. The H200 runs are in tests/gpu and docs/gpu-validation.md."
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_cpu import compile_for_hopper, interpreted
 
 from trtllm_mla_plugin.ops import DecodeSpec, Platform
 from trtllm_mla_plugin.ops.routes import ROUTES
@@ -21,11 +20,7 @@ BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 
 
 def _run_interpreter_cases(*args: str) -> subprocess.CompletedProcess:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "triton_interpreter_cases.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = interpreted(str(HERE / "triton_interpreter_cases.py"), *args)
     print(proc.stdout)
     return proc
 
@@ -64,24 +59,13 @@ def _signature(kv: str, q: str) -> dict:
 def test_kernel_compiles_for_hopper(q, kv, block_h, max_q, warps):
     """Front end, TTGIR and PTX for SM90 (no GPU needed): catches kernel-language errors
     before a GPU run does."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
     from trtllm_mla_plugin.ops.kernels import balanced_mla_decode as kernels
 
-    sig = _signature(kv, q)
     consts = {"DC": 512, "DR": 64, "PAGE": 64, "BLOCK_N": 32, "BLOCK_H": block_h,
               "MAX_Q": max_q, "SEARCH_STEPS": 10}
-    sig.update({name: "constexpr" for name in consts})
-    try:
-        compiled = triton.compile(ASTSource(kernels._balanced_decode_kernel, sig, consts),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps, "num_stages": 3})
-    except RuntimeError as exc:  # no CUDA toolchain in this triton build
-        if "ptxas" in str(exc) or "backend" in str(exc):
-            pytest.skip(f"triton cannot target CUDA here: {exc}")
-        raise
+    compiled = compile_for_hopper(kernels._balanced_decode_kernel, _signature(kv, q), consts,
+                                  num_warps=warps, num_stages=3)
     assert "mma" in compiled.asm["ptx"]  # mma.sync or wgmma: the dots reached tensor cores
 
 

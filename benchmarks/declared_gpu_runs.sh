@@ -8,15 +8,17 @@
 #   bash benchmarks/declared_gpu_runs.sh r259 OUT   # decoder on vLLM's query parts vs kernel
 #   bash benchmarks/declared_gpu_runs.sh r260 OUT   # the FA3 route's GPU plan: host/GPU time
 #   bash benchmarks/declared_gpu_runs.sh r257 OUT   # H200: one CTA per SM against two
+#   bash benchmarks/declared_gpu_runs.sh engine-fa3 OUT  # the engine's FA3 cases
 #   bash benchmarks/declared_gpu_runs.sh pair48 OUT # band engine pair, b48, 61 layers
 #   bash benchmarks/declared_gpu_runs.sh pair80 OUT # the same at b80
 #   bash benchmarks/declared_gpu_runs.sh b32-fa3 OUT       # h16 b32 against FLASH_ATTN_MLA
 #   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
-# pair48 and pair80 are declared only after r260 turns policy.VLLM_FA3_DEVICE_PLAN on.
+# engine-fa3, pair48 and pair80 are declared only after r260 turns policy.VLLM_FA3_DEVICE_PLAN
+# on.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, pair48, pair80, b32-fa3 or b32-flashmla}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair48, pair80, b32-fa3, b32-flashmla}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -58,6 +60,11 @@ case "$phase" in
       --splitk-configs "2,2,4;3,1,4" --shape-list docs/bench-2026-12-05/run257-grid.txt \
       > "$out/r257.log" 2>&1
     tail -30 "$out/r257.log"
+    ;;
+  engine-fa3)  # addendum 11, after VLLM_FA3_DEVICE_PLAN turned on (run 235's FA3 cases)
+    TRTLLM_MLA_TEST_OUT="$out/t" timeout 580 python3 -m pytest -q -rfs -p no:cacheprovider \
+      tests/gpu/test_engine_gpu.py -k fa3 > "$out/engine-fa3.log" 2>&1
+    tail -8 "$out/engine-fa3.log"
     ;;
   pair48 | pair80)  # addendum 11, after VLLM_FA3_DEVICE_PLAN turned on (runs 247, 251)
     timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 61 --timeout 400 \

@@ -184,7 +184,9 @@ class LengthOrder:
     exact lengths (``DecodeBatch.seq_lens_host`` equals ``seq_lens``), so the host writes
     them all and one copy takes them to the device; with the block table's row gather that
     is two device operations a step, where gathering each table on the device took seven
-    (run 228: the route's plan held the engine's step on the host).
+    (run 228: the route's plan held the engine's step on the host). The same layout is
+    what ``kernels.length_order`` writes in one launch when the GPU orders the batch
+    (``stage(on_device=True)``).
 
     Attributes (views for the planned step, at fixed addresses):
         cu_seqlens_q: ``[batch + 1]`` int32, request ``order[i]``'s first query row.

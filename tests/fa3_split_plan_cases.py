@@ -14,6 +14,7 @@ tests/test_fa3_split_plan_cpu.py and tests/gpu/test_cuda_graph_gpu.py; run as a 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 from collections import Counter
@@ -192,11 +193,12 @@ def check_route_steps(count: int, seed: int) -> int:
     return replanned
 
 
-def time_gpu_plan(batches: list[int], rows: int = 16, reps: int = 20) -> list[str]:
+def time_gpu_plan(batches: list[int], rows: int = 16, reps: int = 20,
+                  warps: tuple[int, ...] = (4,), chunks: tuple[int, ...] = (16,)) -> list[str]:
     """GPU microseconds a decode step's GPU plan adds, per batch size: one launch of the
-    splits planner and one of the length order (a 130-column block table), each ``reps``
-    launches captured in one CUDA graph, ``triton.testing.do_bench`` median of its replays
-    over ``reps``; lengths of 1-8k tokens."""
+    splits planner (at each of ``warps``) and one of the length order (a 130-column block
+    table), each ``reps`` launches captured in one CUDA graph, ``triton.testing.do_bench``
+    median of its replays over ``reps``; lengths of 1-8k tokens."""
     import triton
 
     from trtllm_mla_plugin.ops.kernels.fa3_split_plan import FA3SplitPlanner
@@ -214,15 +216,19 @@ def time_gpu_plan(batches: list[int], rows: int = 16, reps: int = 20) -> list[st
                                                              device=device)
         ordered = torch.zeros_like(table)
 
-        def plan_splits(lens=lens, splits=splits):
+        def plan_splits(lens=lens, splits=splits, num_warps=4, chunk=16):
             planner.write(lens, splits, query_tiles=-(-rows // 64), request_rows=rows,
-                          max_splits=64, sms=sms, fa3_cap=32)
+                          max_splits=64, sms=sms, fa3_cap=32, num_warps=num_warps,
+                          size_chunk=chunk)
 
         def order(lens=lens, table=table, packed=packed, ordered=ordered, b=b):
             length_order(lens, table, 1, packed, ordered, b)
 
         timings = []
-        for name, call in (("splits planner", plan_splits), ("length order", order)):
+        calls = [(f"splits planner ({w} warps, chunk {c})",
+                  functools.partial(plan_splits, num_warps=w, chunk=c))
+                 for w in warps for c in chunks] + [("length order", order)]
+        for name, call in calls:
             call()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -246,9 +252,13 @@ def main() -> None:
                     help="kernels.length_order against numpy's stable argsort")
     ap.add_argument("--time", default="",
                     help="comma-separated batch sizes: GPU time of each kernel's launch (CUDA)")
+    ap.add_argument("--warps", default="4", help="with --time: the planner's num_warps values")
+    ap.add_argument("--chunks", default="16", help="with --time: the planner's size chunks")
     args = ap.parse_args()
     if args.time:
-        print("\n".join(time_gpu_plan([int(b) for b in args.time.split(",")])))
+        print("\n".join(time_gpu_plan([int(b) for b in args.time.split(",")],
+                                       warps=tuple(int(w) for w in args.warps.split(",")),
+                                       chunks=tuple(int(c) for c in args.chunks.split(",")))))
         return
     if args.length_order:
         ties = check_length_order(args.count, args.seed, torch.device(args.device))

@@ -150,16 +150,18 @@ class FA3SplitPlanner:
 
     def write(self, seq_lens: torch.Tensor, splits: torch.Tensor, *, query_tiles: int,
               request_rows: int, max_splits: int, sms: int, fa3_cap: int | None = None,
-              spill: float | None = None, num_warps: int = 4) -> bool:
+              spill: float | None = None, num_warps: int = 4,
+              size_chunk: int = SIZE_CHUNK) -> bool:
         """Write ``balanced_splits``' plan for the lengths ``seq_lens`` (``[batch]`` int32
         on the device, in the order FA3 is launched in) into ``splits`` (``[batch]`` int32,
         FA3's per-request splits in its scheduler metadata, already holding FA3's own
         plan), where that plan differs from FA3's; elsewhere ``splits`` is left as it is.
         The arguments are ``balanced_splits``' (``query_tiles`` per request of
         ``request_rows`` query rows, ``max_splits`` the launch reserved, ``sms``, FA3's
-        cap ``fa3_cap``, a finite ``spill`` instead of ``spill_band``'s). Returns whether
-        the program was launched: batch sizes for which no lengths could change FA3's plan
-        launch nothing."""
+        cap ``fa3_cap``, a finite ``spill`` instead of ``spill_band``'s); ``num_warps`` and
+        ``size_chunk`` (candidate sizes a pass) are the launch's, which benchmarks vary.
+        Returns whether the program was launched: batch sizes for which no lengths could
+        change FA3's plan launch nothing."""
         batch = seq_lens.shape[0]
         if spill is None:
             narrow, wide = fa3_splits.NARROW_SPILL, fa3_splits.SPILL
@@ -178,7 +180,7 @@ class FA3SplitPlanner:
             self.sizes.shape[0], narrow_band, wide_band,
             BLOCK_B=triton.next_power_of_2(
                 min(max(narrow_band, wide_band), fa3_splits.DYNAMIC_SPLIT_MAX_BATCH)),
-            SIZES_BLOCK=triton.next_power_of_2(self.sizes.shape[0]), CHUNK=SIZE_CHUNK,
+            SIZES_BLOCK=triton.next_power_of_2(self.sizes.shape[0]), CHUNK=size_chunk,
             KV_TILE=FA3_KV_TILE, NARROW_ROWS=fa3_splits.NARROW_REQUEST_ROWS,
             NARROW_MIN_MEAN_TILES=fa3_splits.NARROW_MIN_MEAN_TILES,
             CHEAP_ROWS=fa3_splits.CHEAP_SPLIT_ROWS, MIN_SPLIT_TILES=fa3_splits.MIN_SPLIT_TILES,

@@ -194,9 +194,10 @@ VLLM_FA3_BALANCED_SPLITS = True
 #: a batch-size check) and its length order (``kernels.length_order``: the ordered tables
 #: and block-table rows in one launch) instead of on the host, where they were the two
 #: largest parts of the route's plan (runs 233b, 249) and the engine waits for that plan
-#: every step (runs 228, 231). The same plans (H100, run 261), but off: the two launches
-#: took 16.0-16.9 us of GPU time a step (12.6-13.1 + 1.6-2.2 at the planner's best launch,
-#: runs 262-263), over the 15 us criteria addendum 11 set before the run.
+#: every step (runs 228, 231). The same plans (H100, runs 258, 261) and 0.54-0.67x the host
+#: plan's time at b48-b128 (run 260), but off: the two launches took 16.0-16.9 us of GPU
+#: time a step (12.6-13.1 + 1.6-2.2 at the planner's best launch, runs 262-263), over the
+#: 15 us criteria addendum 11 set before the runs.
 VLLM_FA3_DEVICE_PLAN = False
 #: Batches of at least this many requests reach FA3 longest first: the ``vllm-fa3-mla``
 #: route hands FA3 the requests in length order (through ``cu_seqlens_q`` and

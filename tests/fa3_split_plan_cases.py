@@ -70,7 +70,7 @@ def host_plan(step: dict) -> np.ndarray | None:
                                       step["spill"])
 
 
-def device_plan(planner, step: dict, device: torch.device) -> tuple[bool, list[int]]:
+def planner_splits(planner, step: dict, device: torch.device) -> tuple[bool, list[int]]:
     """(launched, the split slots after the planner) for ``step``, the slots filled with
     ``UNTOUCHED`` before."""
     lens = torch.tensor(step["lens"], dtype=torch.int32, device=device)
@@ -91,7 +91,7 @@ def check_steps(count: int, seed: int, device: torch.device) -> Counter:
     for i in range(count):
         step = random_step(rng)
         want = host_plan(step)
-        launched, got = device_plan(planner, step, device)
+        launched, got = planner_splits(planner, step, device)
         expected = [UNTOUCHED] * len(step["lens"]) if want is None else want.tolist()
         if got != expected:
             raise AssertionError(f"step {i} {dict(step, lens=step['lens'][:8])}: "

@@ -137,3 +137,14 @@ class KVScales:
 
 
 UNIT_SCALES = KVScales()
+
+
+def split_query(query: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_lora_rank: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(latent [num_tokens, heads, Dc], rope [num_tokens, heads, Dr])`` of ``query``
+    ``[num_tokens, heads, Dc + Dr]`` (views, no copy), or the two parts as an engine hands
+    them over (``DecodeRoute.takes_split_query``), as they are."""
+    if isinstance(query, tuple):
+        return query
+    return query[..., :kv_lora_rank], query[..., kv_lora_rank:]
+

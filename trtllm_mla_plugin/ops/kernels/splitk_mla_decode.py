@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..spec import split_query
 from .cuda_driver import CubinModule
 from .nvcc_build import build_cubin
 
@@ -146,10 +147,7 @@ def query_parts(query: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     they lie. The kernel addresses row (token, head) of each part by its own token and head
     strides and loads up to 8 bytes at a time: a part whose innermost stride is not 1, or
     whose start or strides are not 8-byte aligned, is copied first."""
-    if isinstance(query, tuple):
-        latent, rope = query
-    else:
-        latent, rope = query[..., :KV_LORA_RANK], query[..., KV_LORA_RANK:]
+    latent, rope = split_query(query, KV_LORA_RANK)
     return _loadable(latent), _loadable(rope)
 
 

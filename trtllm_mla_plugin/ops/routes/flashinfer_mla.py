@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 
 from ..platform import Platform
-from ..spec import DecodeBatch, DecodeSpec, KVScales
+from ..spec import DecodeBatch, DecodeSpec, KVScales, split_query
 from .base import DecodeRoute, check_unit_scales, module_available, to_device
 from .trtllm_gen import workspace_for
 
@@ -304,9 +304,7 @@ class _FlashInferFARoute(DecodeRoute):
     ) -> torch.Tensor:
         if not self._sorted:
             return self._run(query, kv_cache, out, scales)
-        if not isinstance(query, tuple):
-            dc = self.spec.kv_lora_rank
-            query = (query[..., :dc], query[..., dc:])
+        query = split_query(query, self.spec.kv_lora_rank)
         rows = query[0].shape[0]
         perm = self._perm_rows[:rows]
         q_sorted = tuple(buf[:rows] for buf in self._q_sorted)

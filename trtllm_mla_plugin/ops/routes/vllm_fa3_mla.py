@@ -52,7 +52,7 @@ import torch
 
 from .. import fa3_splits, policy
 from ..platform import Platform
-from ..spec import DecodeBatch, DecodeSpec, KVScales
+from ..spec import DecodeBatch, DecodeSpec, KVScales, split_query
 from .base import (
     DecodeRoute,
     StagedQueryOffsets,
@@ -394,6 +394,10 @@ class VllmFA3MLARoute(DecodeRoute):
         if on_device:
             if graph_may_replan(spec, batch.max_q_len, b, self._planned_splits, self._sms,
                                 self.spill_override):
+                if self._split_planner is None:
+                    from ..kernels.fa3_split_plan import FA3SplitPlanner
+
+                    self._split_planner = FA3SplitPlanner(self.device)
                 self._split_planner.write(
                     self._order.seq_lens if self._ordered else self._seq_lens,
                     self._scheduler[offset: offset + b],
@@ -410,18 +414,11 @@ class VllmFA3MLARoute(DecodeRoute):
     def _device_plan(self) -> bool:
         """Whether the step's length order and balanced splits are computed on the GPU
         (``kernels.length_order``, ``kernels.fa3_split_plan``; a band given as infinite
-        keeps the host's); creates the splits planner on first use."""
+        keeps the host's)."""
         wanted = self.device_plan_override
         if wanted is None:
             wanted = policy.VLLM_FA3_DEVICE_PLAN
-        if not wanted or (self.spill_override is not None
-                          and not math.isfinite(self.spill_override)):
-            return False
-        if self._split_planner is None:
-            from ..kernels.fa3_split_plan import FA3SplitPlanner
-
-            self._split_planner = FA3SplitPlanner(self.device)
-        return True
+        return wanted and (self.spill_override is None or math.isfinite(self.spill_override))
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:
         """(splits the launch reserves, cap the plan uses) for ``batch``; 0 lets FA3
@@ -445,10 +442,7 @@ class VllmFA3MLARoute(DecodeRoute):
         check_unit_scales(self.spec, scales)
         batch, spec = self._batch, self.spec
         dc = spec.kv_lora_rank
-        if isinstance(query, tuple):
-            q_latent, q_rope = query
-        else:
-            q_latent, q_rope = query[..., :dc], query[..., dc:]
+        q_latent, q_rope = split_query(query, dc)
         cache = kv_cache.unsqueeze(-2)
         if self._ordered:
             order = self._order

@@ -9,7 +9,9 @@ largest part of the route's plan: ~125 of 272 us at 128 requests on the H200's h
 plans in 50-100 us. The engine runs that plan on the host between steps, so it adds to
 every step (runs 228, 231). Here the host only checks the batch size and launches; the
 search costs the GPU one small program a step (not a layer): 14.4-14.8 us on an H100 at
-4 warps, 12.6-13.1 at 16 (runs 261-263), a chain of block reductions in one CTA.
+4 warps, 12.6-13.1 at 16 (runs 261-263), a chain of block reductions in one CTA. Two
+rewrites were slower (run 265: the reductions over one axis merged, 13.5 us at best; every
+tensor in one 2-D layout, 14.9): fewer barriers did not shorten the chain.
 
 The plan is the host's, operation for operation: integer ceilings where numpy divides whole
 numbers in float64 (exact there, ``fa3_splits.estimated_span``), the spans in float64 in

@@ -64,7 +64,7 @@ def test_planner_compiles_for_hopper_without_fma():
               "NARROW_ROWS": 48, "NARROW_MIN_MEAN_TILES": 32, "CHEAP_ROWS": 16,
               "MIN_SPLIT_TILES": 16, "SHORT_MAX_TILES": 40}
     compiled = compile_for_hopper(kernels._fa3_balanced_splits_kernel, sig, consts,
-                                  num_warps=4, enable_fp_fusion=False)
+                                  num_warps=kernels.NUM_WARPS, enable_fp_fusion=False)
     ptx = compiled.asm["ptx"]
     assert "mul.rn.f64" in ptx or "mul.f64" in ptx  # the spans are float64
     assert "fma.rn.f64" not in ptx

@@ -9,9 +9,9 @@ largest part of the route's plan: ~125 of 272 us at 128 requests on the H200's h
 plans in 50-100 us. The engine runs that plan on the host between steps, so it adds to
 every step (runs 228, 231). Here the host only checks the batch size and launches; the
 search costs the GPU one small program a step (not a layer): 14.4-14.8 us on an H100 at
-4 warps, 12.6-13.1 at 16 (runs 261-263), a chain of block reductions in one CTA. Two
-rewrites were slower (run 265: the reductions over one axis merged, 13.5 us at best; every
-tensor in one 2-D layout, 14.9): fewer barriers did not shorten the chain.
+4 warps, 12.6-13.1 at 16 (runs 261-263; it launches at 16), a chain of block reductions
+in one CTA. Two rewrites were slower (run 265: the reductions over one axis merged, 13.5
+us at best; every tensor in one 2-D layout, 14.9): fewer barriers did not shorten it.
 
 The plan is the host's, operation for operation: integer ceilings where numpy divides whole
 numbers in float64 (exact there, ``fa3_splits.estimated_span``), the spans in float64 in
@@ -35,6 +35,10 @@ from ..policy import FA3_KV_TILE, FA3_SPLIT_MARGIN
 
 #: Candidate tile sizes per pass of the size loop.
 SIZE_CHUNK = 16
+#: Warps of the program: 16 took 12.6-13.1 us a launch on an H100 where 4 took 14.4-14.8
+#: and 8 12.8-13.3 (runs 262-263 and 265, lengths of 1-8k tokens at 33-198 requests; the
+#: plan equal to the host's at 16 on 500 compiled steps, runs 262-263).
+NUM_WARPS = 16
 #: Where the program reads its float64 constants (``FA3SplitPlanner.consts``).
 MARGIN, SHORT_SPREAD, LONG_SPREAD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
@@ -153,7 +157,7 @@ class FA3SplitPlanner:
 
     def write(self, seq_lens: torch.Tensor, splits: torch.Tensor, *, query_tiles: int,
               request_rows: int, max_splits: int, sms: int, fa3_cap: int | None = None,
-              spill: float | None = None, num_warps: int = 4,
+              spill: float | None = None, num_warps: int = NUM_WARPS,
               size_chunk: int = SIZE_CHUNK) -> bool:
         """Write ``balanced_splits``' plan for the lengths ``seq_lens`` (``[batch]`` int32
         on the device, in the order FA3 is launched in) into ``splits`` (``[batch]`` int32,

@@ -194,20 +194,25 @@ def check_route_steps(count: int, seed: int) -> int:
 
 
 def time_gpu_plan(batches: list[int], rows: int = 16, reps: int = 20,
-                  warps: tuple[int, ...] = (), chunks: tuple[int, ...] = (16,)) -> list[str]:
+                  warps: tuple[int, ...] = (), chunks: tuple[int, ...] = ()) -> list[str]:
     """GPU microseconds a decode step's GPU plan adds, per batch size: one launch of the
-    splits planner (at each of ``warps``) and one of the length order (a 130-column block
-    table), each ``reps`` launches captured in one CUDA graph, ``triton.testing.do_bench``
-    median of its replays over ``reps``; lengths of 1-8k tokens."""
+    splits planner (at each of ``warps`` and ``chunks``, by default its own launch) and one
+    of the length order (a 130-column block table), each ``reps`` launches captured in one
+    CUDA graph, ``triton.testing.do_bench`` median of its replays over ``reps``; lengths of
+    1-8k tokens."""
     import triton
 
-    from trtllm_mla_plugin.ops.kernels.fa3_split_plan import NUM_WARPS, FA3SplitPlanner
+    from trtllm_mla_plugin.ops.kernels.fa3_split_plan import (
+        NUM_WARPS,
+        SIZE_CHUNK,
+        FA3SplitPlanner,
+    )
     from trtllm_mla_plugin.ops.kernels.length_order import length_order
 
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     planner = FA3SplitPlanner(device)
-    warps = warps or (NUM_WARPS,)
+    warps, chunks = warps or (NUM_WARPS,), chunks or (SIZE_CHUNK,)
     rng = torch.Generator().manual_seed(0)
     lines = []
     for b in batches:
@@ -217,7 +222,7 @@ def time_gpu_plan(batches: list[int], rows: int = 16, reps: int = 20,
                                                              device=device)
         ordered = torch.zeros_like(table)
 
-        def plan_splits(lens=lens, splits=splits, num_warps=NUM_WARPS, chunk=16):
+        def plan_splits(num_warps, chunk, lens=lens, splits=splits):
             planner.write(lens, splits, query_tiles=-(-rows // 64), request_rows=rows,
                           max_splits=64, sms=sms, fa3_cap=32, num_warps=num_warps,
                           size_chunk=chunk)
@@ -255,12 +260,13 @@ def main() -> None:
                     help="comma-separated batch sizes: GPU time of each kernel's launch (CUDA)")
     ap.add_argument("--warps", default="",
                     help="with --time: the planner's num_warps values (default: its own)")
-    ap.add_argument("--chunks", default="16", help="with --time: the planner's size chunks")
+    ap.add_argument("--chunks", default="",
+                    help="with --time: the planner's size chunks (default: its own)")
     args = ap.parse_args()
     if args.time:
         print("\n".join(time_gpu_plan([int(b) for b in args.time.split(",")],
                                        warps=tuple(int(w) for w in args.warps.split(",") if w),
-                                       chunks=tuple(int(c) for c in args.chunks.split(",")))))
+                                       chunks=tuple(int(c) for c in args.chunks.split(",") if c))))
         return
     if args.length_order:
         ties = check_length_order(args.count, args.seed, torch.device(args.device))

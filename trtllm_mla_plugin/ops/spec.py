@@ -147,4 +147,3 @@ def split_query(query: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_lora
     if isinstance(query, tuple):
         return query
     return query[..., :kv_lora_rank], query[..., kv_lora_rank:]
-

@@ -112,7 +112,8 @@ class SplitKConfig:
 
 
 #: GPUs (``torch.cuda.get_device_properties().name`` containing one of these) where one
-#: row group of a 16-bit cache runs one CTA per SM with three stages (``default_launch``).
+#: row group of a 16-bit cache runs one CTA per SM with three stages (``default_launch``;
+#: the H200 measured slower so, run 271).
 ONE_CTA_GPUS = ("H100",)
 
 
@@ -130,8 +131,11 @@ def default_launch(groups: int, fp8_kv: bool, gpu_name: str = "") -> tuple[int, 
     per SM at min_tiles 1-2, timed alongside): 1.035-1.040x on geomean, per shape
     0.995-1.175x, short contexts gaining most; on 40 fresh shapes (seeds 601-602) the
     kernel alone scored 1.023 of the faster of vLLM's two calls (worst 0.770) where two
-    CTAs at min_tiles 2 scored 0.984 (0.718). Not measured on the H200, which keeps two
-    CTAs; nor with an FP8 cache. Two row groups (256 threads) fit one CTA per SM."""
+    CTAs at min_tiles 2 scored 0.984 (0.718). The H200 keeps two CTAs: there one CTA per SM
+    with three stages ran 0.905x two CTAs with two stages on geomean (run 271: 35 shapes of
+    8-16 rows at 33-1024 requests, seeds 603-604 and three grid shapes; 0.80-0.83x on long
+    contexts, where fewer loads in flight fall short of the H200's bandwidth). Not measured
+    with an FP8 cache. Two row groups (256 threads) fit one CTA per SM."""
     if groups == 1:
         if not fp8_kv and any(name in gpu_name for name in ONE_CTA_GPUS):
             return 3, 1

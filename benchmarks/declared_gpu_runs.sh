@@ -8,15 +8,16 @@
 #   bash benchmarks/declared_gpu_runs.sh r259 OUT   # decoder on vLLM's query parts vs kernel
 #   bash benchmarks/declared_gpu_runs.sh r260 OUT   # the FA3 route's GPU plan: host/GPU time
 #   bash benchmarks/declared_gpu_runs.sh r257 OUT   # H200: one CTA per SM against two
-#   bash benchmarks/declared_gpu_runs.sh engine-fa3 OUT  # the engine's FA3 cases
-#   bash benchmarks/declared_gpu_runs.sh pair48 OUT # band engine pair, b48, 61 layers
+#   bash benchmarks/declared_gpu_runs.sh engine-fa3 OUT  # the engine's FA3 cases, GPU plan
+#   bash benchmarks/declared_gpu_runs.sh pair48 OUT # band engine pair, b48, 61 layers,
+#                                                   # the FA3 route's plan on the GPU
 #   bash benchmarks/declared_gpu_runs.sh pair80 OUT # the same at b80
 #   bash benchmarks/declared_gpu_runs.sh b32-fa3 OUT       # h16 b32 against FLASH_ATTN_MLA
 #   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
-# engine-fa3, pair48 and pair80 are declared only after r260 turns policy.VLLM_FA3_DEVICE_PLAN
-# on.
+# engine-fa3, pair48 and pair80 (addendum 13) turn the FA3 route's GPU plan on in every
+# engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1).
 set -u
 phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair48, pair80, b32-fa3, b32-flashmla}"
 out="${2:?output directory}"
@@ -61,15 +62,18 @@ case "$phase" in
       > "$out/r257.log" 2>&1
     tail -30 "$out/r257.log"
     ;;
-  engine-fa3)  # addendum 11, after VLLM_FA3_DEVICE_PLAN turned on (run 235's FA3 cases)
-    TRTLLM_MLA_TEST_OUT="$out/t" timeout 580 python3 -m pytest -q -rfs -p no:cacheprovider \
-      tests/gpu/test_engine_gpu.py -k fa3 > "$out/engine-fa3.log" 2>&1
+  engine-fa3)  # addendum 13: run 235's FA3 cases with the FA3 route's plan on the GPU
+    TRTLLM_MLA_FA3_DEVICE_PLAN=1 TRTLLM_MLA_TEST_OUT="$out/t" timeout 580 \
+      python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_engine_gpu.py -k fa3 \
+      > "$out/engine-fa3.log" 2>&1
     tail -8 "$out/engine-fa3.log"
     ;;
-  pair48 | pair80)  # addendum 11, after VLLM_FA3_DEVICE_PLAN turned on (runs 247, 251)
+  pair48 | pair80)  # addendum 13: runs 247 and 251 with the FA3 route's plan on the GPU
+    export TRTLLM_MLA_FA3_DEVICE_PLAN=1
+    echo "TRTLLM_MLA_FA3_DEVICE_PLAN=1" > "$out/$phase.log"
     timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 61 --timeout 400 \
       --batches "${phase#pair}" --backends TRTLLM_MLA@vllm-fa3-mla,TRTLLM_MLA \
-      > "$out/$phase.log" 2>&1
+      >> "$out/$phase.log" 2>&1
     tail -20 "$out/$phase.log"
     ;;
   b32-fa3 | b32-flashmla)  # gpu-validation's next order, item 3 (run 238's command)

@@ -233,3 +233,22 @@ def test_unknown_backend_name_is_vllms_error():
     register()
     with pytest.raises(Exception, match="Unknown attention backend: 'TRTLLM_MLX'"):
         AttentionConfig(backend="TRTLLM_MLX")
+
+
+# ---- benchmark switches read from the environment (vLLM glue) ----------------------------
+
+
+@pytest.mark.parametrize(("value", "want"), [("", None), ("1", True), ("0", False), (" 1 ", True)])
+def test_fa3_device_plan_switch_reads_one_or_zero(monkeypatch, value, want):
+    from trtllm_mla_plugin.vllm_backend.decode_spec import FA3_DEVICE_PLAN_ENV_VAR, fa3_device_plan
+
+    monkeypatch.setenv(FA3_DEVICE_PLAN_ENV_VAR, value)
+    assert fa3_device_plan() is want
+
+
+def test_fa3_device_plan_switch_refuses_other_values_naming_them(monkeypatch):
+    from trtllm_mla_plugin.vllm_backend.decode_spec import FA3_DEVICE_PLAN_ENV_VAR, fa3_device_plan
+
+    monkeypatch.setenv(FA3_DEVICE_PLAN_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=r"TRTLLM_MLA_FA3_DEVICE_PLAN='yes': use 1 .* or 0"):
+        fa3_device_plan()

@@ -336,6 +336,21 @@ def test_eager_steps_and_overrides_leave_the_splits_to_one_value(fake):
     assert planned_and_launched(graph, fake, [100, 50_000]) == (128, 128)
 
 
+def test_decoder_switch_sets_where_the_route_plans(fake):
+    """``MLADecoder.set_device_plan`` (the engine's TRTLLM_MLA_FA3_DEVICE_PLAN) overrides
+    ``policy.VLLM_FA3_DEVICE_PLAN`` on the decoder's ``vllm-fa3-mla`` route, both ways."""
+    from trtllm_mla_plugin.ops import MLADecoder
+
+    decoder = MLADecoder(spec(), "cpu", 4)
+    route = VllmFA3MLARoute(spec(), torch.device("cpu"), 4, cuda_graph=True)
+    decoder.routes[policy.VLLM_FA3] = route
+    assert route._device_plan() is policy.VLLM_FA3_DEVICE_PLAN
+    decoder.set_device_plan(not policy.VLLM_FA3_DEVICE_PLAN)
+    assert route._device_plan() is not policy.VLLM_FA3_DEVICE_PLAN
+    decoder.set_device_plan(policy.VLLM_FA3_DEVICE_PLAN)
+    assert route._device_plan() is policy.VLLM_FA3_DEVICE_PLAN
+
+
 def test_graph_buffers_keep_their_addresses(fake):
     route = VllmFA3MLARoute(spec(max_q_len=2), torch.device("cpu"), 4, cuda_graph=True)
     cache = torch.randn(40, 64, 576).to(BF16)

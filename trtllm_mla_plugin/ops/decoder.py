@@ -234,6 +234,13 @@ class MLADecoder:
                                    type(error).__name__, error)
         return tuple(choices.values())
 
+    def set_device_plan(self, on: bool) -> None:
+        """Plan the ``vllm-fa3-mla`` route's steps on the GPU (``on``) or the host, instead
+        of as ``policy.VLLM_FA3_DEVICE_PLAN`` says (benchmarks); no-op without that route."""
+        route = self.routes.get(policy.VLLM_FA3)
+        if route is not None:
+            route.device_plan_override = on
+
     @property
     def route_name(self) -> str:
         """The route, or ``"a+b"`` for the set a per-batch decoder chooses from."""

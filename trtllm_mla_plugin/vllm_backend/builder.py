@@ -27,7 +27,12 @@ from ..ops import (
     small_prefill_choice,
     small_prefill_spec,
 )
-from .decode_spec import forced_route, forced_short_prefill_route, model_decode_spec
+from .decode_spec import (
+    fa3_device_plan,
+    forced_route,
+    forced_short_prefill_route,
+    model_decode_spec,
+)
 from .query_join import vllm_query_join
 
 logger = init_logger(logger_name(__name__))
@@ -105,6 +110,10 @@ class TrtllmMLAMetadataBuilder(MLACommonMetadataBuilder[TrtllmMLAMetadata]):
         )
         self.small_prefill_decoder = self._small_prefill_decoder(spec, device, max_batch,
                                                                  query_join)
+        if (device_plan := fa3_device_plan()) is not None:
+            self.decoder.set_device_plan(device_plan)
+            logger.info_once("TRTLLM_MLA: the vllm-fa3-mla route plans its steps on the %s "
+                             "(TRTLLM_MLA_FA3_DEVICE_PLAN)", "GPU" if device_plan else "host")
         if self.small_prefill_decoder is not None:
             # vLLM now classes requests with this many new tokens or fewer as decodes.
             self.reorder_batch_threshold = max(self.reorder_batch_threshold,

@@ -21,8 +21,25 @@ ROUTE_ENV_VAR = "TRTLLM_MLA_DECODE_ROUTE"
 SHORT_PREFILL_ROUTE_ENV_VAR = "TRTLLM_MLA_SHORT_PREFILL_ROUTE"
 
 
+#: ``1`` / ``0``: the ``vllm-fa3-mla`` route computes its per-step plan (length order,
+#: balanced splits) on the GPU / on the host, instead of as ``ops.policy.VLLM_FA3_DEVICE_PLAN``
+#: says (benchmarks: an engine pair with the GPU plan on); unset = the policy's default.
+FA3_DEVICE_PLAN_ENV_VAR = "TRTLLM_MLA_FA3_DEVICE_PLAN"
+
+
 def forced_route() -> str | None:
     return os.environ.get(ROUTE_ENV_VAR) or None
+
+
+def fa3_device_plan() -> bool | None:
+    """``FA3_DEVICE_PLAN_ENV_VAR`` as a flag; ``None`` when unset."""
+    value = os.environ.get(FA3_DEVICE_PLAN_ENV_VAR, "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{FA3_DEVICE_PLAN_ENV_VAR}={value!r}: use 1 (plan on the GPU) or 0 "
+                         "(on the host), or unset it for the plugin's default")
+    return value == "1"
 
 
 def forced_short_prefill_route() -> str | None:

@@ -12,6 +12,8 @@
 #   bash benchmarks/declared_gpu_runs.sh pair48 OUT # band engine pair, b48, 61 layers,
 #                                                   # the FA3 route's plan on the GPU
 #   bash benchmarks/declared_gpu_runs.sh pair80 OUT # the same at b80
+#   bash benchmarks/declared_gpu_runs.sh band-kernel OUT  # 8-16-row shapes at 33-96
+#                                                   # requests: the decoder and FA3 forced
 #   bash benchmarks/declared_gpu_runs.sh b32-fa3 OUT       # h16 b32 against FLASH_ATTN_MLA
 #   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
 #
@@ -19,7 +21,7 @@
 # engine-fa3, pair48 and pair80 (addendum 13) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1).
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair48, pair80, b32-fa3, b32-flashmla}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair48, pair80, band-kernel, b32-fa3, b32-flashmla}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -75,6 +77,17 @@ case "$phase" in
       --batches "${phase#pair}" --backends TRTLLM_MLA@vllm-fa3-mla,TRTLLM_MLA \
       >> "$out/$phase.log" 2>&1
     tail -20 "$out/$phase.log"
+    ;;
+  band-kernel)  # addendum 13: whether 8-row batches move with the 16-row band
+    timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/band.csv" --rounds 3 \
+      --query-parts --seeds 612,613,614,615 --count 1000 --request-rows 8-16 \
+      --batches 33-96 --routes plugin,vllm-fa3-mla > "$out/band-kernel.log" 2>&1
+    for rows in 8-8 9-16; do
+      echo "rows a request $rows:"
+      python3 benchmarks/band16_bound_replay.py --bounds 0,97 --with-8-rows --rows "$rows" \
+        "$out/band.csv"
+    done >> "$out/band-kernel.log" 2>&1
+    tail -8 "$out/band-kernel.log"
     ;;
   b32-fa3 | b32-flashmla)  # gpu-validation's next order, item 3 (run 238's command)
     baseline=FLASH_ATTN_MLA

@@ -1959,6 +1959,12 @@ def test_band16_bound_replay_moves_only_the_band_below_the_bound(tmp_path, capsy
     line = capsys.readouterr().out.strip()
     assert line.startswith("FA3 below   97: g: 4 shapes") and "under 1" in line
     assert f"{math.exp((math.log(1.1) + math.log(0.8)) / 4):.3f} worst 0.800" in line
+    replay.main("--bounds", "0,97", "--with-8-rows", "--rows", "8-8", f"g={ab},{bench}")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == ["FA3 below    0: g: 1 shapes 0.800 worst 0.800 under 1; "
+                     "all: 1 shapes 0.800 worst 0.800 under 1",
+                     "FA3 below   97: g: 1 shapes 1.000 worst 1.000 under 0; "
+                     "all: 1 shapes 1.000 worst 1.000 under 0"]
 
 
 def test_fit_switch_rule_span_is_the_span_of_the_routes_own_plan(monkeypatch):

@@ -190,6 +190,20 @@ def test_splitk_never_for_fp8_other_rows_or_off_hopper(splitk_present):
     assert choose_route(spec(16, kv=FP8), H200, shape=BatchShape(256, 1)).name == "flashmla-fp8"
 
 
+def test_band_below_a_raised_splitk_bound_goes_to_vllm_fa3(splitk_present, monkeypatch):
+    """``SPLITK_GRAPH_MIN_BATCH`` raised to 97 under CUDA graphs: 8-16-row batches of 33-96
+    requests go to vLLM's FA3 kernel (longest first), from 97 on to ``cuda-splitk``; other
+    specs keep their rule."""
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH", 97)
+    for heads, q_len in ((16, 1), (8, 1), (8, 2)):
+        s = spec(heads, q_len=q_len)
+        for batch in (33, 48, 96):
+            assert choose_route(s, H200, shape=BatchShape(batch, q_len)).name == "vllm-fa3-mla"
+        assert choose_route(s, H200, shape=BatchShape(97, q_len)).name == "cuda-splitk"
+    assert choose_route(spec(32), H200, shape=BatchShape(48, 1)).name == "vllm-fa3-mla"
+    assert choose_route(spec(16), H200, shape=shape(64, 4 * K, 2 * K)).name == "cuda-splitk"
+
+
 def test_fp8_and_block32_never_take_bf16_flashmla(kernels_present):
     long_ragged = shape(128, 32 * K, 8 * K)
     assert choose_route(spec(128, kv=FP8), H200, shape=long_ragged).name == "flashmla-fp8"

@@ -338,17 +338,36 @@ def test_eager_steps_and_overrides_leave_the_splits_to_one_value(fake):
 
 def test_decoder_switch_sets_where_the_route_plans(fake):
     """``MLADecoder.set_device_plan`` (the engine's TRTLLM_MLA_FA3_DEVICE_PLAN) overrides
-    ``policy.VLLM_FA3_DEVICE_PLAN`` on the decoder's ``vllm-fa3-mla`` route, both ways."""
+    ``policy.vllm_fa3_device_plan`` on the decoder's ``vllm-fa3-mla`` route, both ways."""
     from trtllm_mla_plugin.ops import MLADecoder
 
     decoder = MLADecoder(spec(), "cpu", 4)
     route = VllmFA3MLARoute(spec(), torch.device("cpu"), 4, cuda_graph=True)
     decoder.routes[policy.VLLM_FA3] = route
-    assert route._device_plan() is policy.VLLM_FA3_DEVICE_PLAN
-    decoder.set_device_plan(not policy.VLLM_FA3_DEVICE_PLAN)
-    assert route._device_plan() is not policy.VLLM_FA3_DEVICE_PLAN
-    decoder.set_device_plan(policy.VLLM_FA3_DEVICE_PLAN)
-    assert route._device_plan() is policy.VLLM_FA3_DEVICE_PLAN
+    default = policy.vllm_fa3_device_plan(spec(), 48)
+    assert route._device_plan(48) is default
+    decoder.set_device_plan(not default)
+    assert route._device_plan(48) is not default
+    decoder.set_device_plan(default)
+    assert route._device_plan(48) is default
+
+
+def test_band_below_the_splitk_bound_plans_on_the_gpu(monkeypatch):
+    """Where ``SPLITK_GRAPH_MIN_BATCH`` rises past the length order's bound, the 8-16-row
+    batches between the two are planned on the GPU (and only those, while
+    ``VLLM_FA3_DEVICE_PLAN`` is off); at today's bounds none are."""
+    monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", False)
+    assert not any(policy.vllm_fa3_device_plan(spec(h), b) for h in (8, 16, 32, 128)
+                   for b in range(1, 1025))
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH", 97)
+    for h in (8, 16):
+        assert [b for b in range(1, 1025) if policy.vllm_fa3_device_plan(spec(h), b)] == list(
+            range(33, 97))
+    assert not policy.vllm_fa3_device_plan(spec(16, max_q_len=2), 48)  # 32 rows
+    assert not policy.vllm_fa3_device_plan(spec(16, block=32), 48)  # pages cuda-splitk skips
+    assert not policy.vllm_fa3_device_plan(spec(32), 48)
+    monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", True)
+    assert policy.vllm_fa3_device_plan(spec(32), 48) and policy.vllm_fa3_device_plan(spec(), 8)
 
 
 def test_graph_buffers_keep_their_addresses(fake):

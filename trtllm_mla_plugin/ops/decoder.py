@@ -236,7 +236,7 @@ class MLADecoder:
 
     def set_device_plan(self, on: bool) -> None:
         """Plan the ``vllm-fa3-mla`` route's steps on the GPU (``on``) or the host, instead
-        of as ``policy.VLLM_FA3_DEVICE_PLAN`` says (benchmarks); no-op without that route."""
+        of as ``policy.vllm_fa3_device_plan`` says (benchmarks); no-op without that route."""
         route = self.routes.get(policy.VLLM_FA3)
         if route is not None:
             route.device_plan_override = on

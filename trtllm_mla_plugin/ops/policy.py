@@ -282,6 +282,9 @@ SPLITK_MIN_BATCH = 48
 #: this kernel's 0.961 (0.670), but the engine pair at b48 came out even (1.008), the FA3
 #: route's host plan costing 0.17 ms a step beyond its kernels; at 61 layers (H100) FA3
 #: won at b48 (1.040, run 247) and lost at b80 (0.990, run 251): it stays there too.
+#: Batches of the band below this bound and from VLLM_FA3_LENGTH_ORDER_MIN_BATCH on go to
+#: vLLM's FA3 kernel longest first, planned on the GPU (``vllm_fa3_device_plan``): none
+#: while the two bounds are equal.
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
 #: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at
@@ -508,12 +511,25 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
     if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
-            and not splitk_candidate(spec)
+            and not (splitk_candidate(spec) and shape.batch_size >= SPLITK_GRAPH_MIN_BATCH)
             and (VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES
                  or not uneven_query_tiles(spec, shape.max_q_len))):
         return True
     rows = shape.batch_size * request_rows
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
+
+
+def vllm_fa3_device_plan(spec: DecodeSpec, batch_size: int) -> bool:
+    """Whether the ``vllm-fa3-mla`` route computes the plan of a step of ``batch_size``
+    requests (its length order and balanced splits) on the GPU: every step where
+    ``VLLM_FA3_DEVICE_PLAN``, else the steps of ``splitk_candidate`` specs that the graph
+    rule gives vLLM's FA3 kernel longest first below ``SPLITK_GRAPH_MIN_BATCH`` (none while
+    that bound is the length order's own; addendum 13 of
+    docs/bench-2026-12-05/run228-criteria.txt says what moves it)."""
+    if VLLM_FA3_DEVICE_PLAN:
+        return True
+    return (splitk_candidate(spec) and vllm_fa3_length_order(batch_size)
+            and batch_size < SPLITK_GRAPH_MIN_BATCH)
 
 
 def vllm_fa3_length_order(batch_size: int) -> bool:

@@ -316,7 +316,7 @@ class VllmFA3MLARoute(DecodeRoute):
         #: instead of ``policy.vllm_fa3_length_order``.
         self.length_order_override: bool | None = None
         #: Benchmarks: the length order and balanced splits computed on the GPU (True) or
-        #: the host (False) instead of as ``policy.VLLM_FA3_DEVICE_PLAN`` says.
+        #: the host (False) instead of as ``policy.vllm_fa3_device_plan`` says.
         self.device_plan_override: bool | None = None
         self._split_planner = None
         self._order = LengthOrder(max_batch_size, device)
@@ -342,7 +342,7 @@ class VllmFA3MLARoute(DecodeRoute):
         self._ordered = (policy.vllm_fa3_length_order(b) if self.length_order_override is None
                          else self.length_order_override)
         lens_host = None if batch.seq_lens_host is None else batch.seq_lens_host.numpy()
-        on_device = self._device_plan()
+        on_device = self._device_plan(b)
         if self._ordered:
             self._order.stage(batch, self._block_table, self._seq_lens, cu, lens_host,
                               on_device)
@@ -411,13 +411,13 @@ class VllmFA3MLARoute(DecodeRoute):
         if splits is not None:
             copy_from_host(self._scheduler[offset: offset + b], splits)
 
-    def _device_plan(self) -> bool:
-        """Whether the step's length order and balanced splits are computed on the GPU
-        (``kernels.length_order``, ``kernels.fa3_split_plan``; a band given as infinite
-        keeps the host's)."""
+    def _device_plan(self, batch_size: int) -> bool:
+        """Whether the length order and balanced splits of a step of ``batch_size``
+        requests are computed on the GPU (``kernels.length_order``,
+        ``kernels.fa3_split_plan``; a band given as infinite keeps the host's)."""
         wanted = self.device_plan_override
         if wanted is None:
-            wanted = policy.VLLM_FA3_DEVICE_PLAN
+            wanted = policy.vllm_fa3_device_plan(self.spec, batch_size)
         return wanted and (self.spill_override is None or math.isfinite(self.spill_override))
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:

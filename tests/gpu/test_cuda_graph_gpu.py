@@ -18,7 +18,7 @@ import numpy
 import pytest
 import torch
 
-from trtllm_mla_plugin.ops import MLADecoder, fa3_splits
+from trtllm_mla_plugin.ops import MLADecoder, fa3_splits, policy
 from trtllm_mla_plugin.ops.routes.vllm_fa3_mla import fa3_splits_offset
 
 from mla_cases import (
@@ -115,6 +115,29 @@ def test_policy_decoder_replays_its_batch_size_route(heads: int, batch: int,
     the route its policy picks for the captured batch size, replayed after re-planning with
     new lengths, against the float64 reference. The block table and lengths live in fixed
     buffers rewritten each step (``DecodeBatch.persistent``), as the vLLM glue hands them."""
+    replay_policy_decoder(heads, batch, route)
+
+
+# (heads, batch): the band's batches below a raised ``SPLITK_GRAPH_MIN_BATCH`` (97, addendum
+# 13's candidate): vLLM's FA3 kernel longest first, its plan on the GPU.
+RAISED_BAND_CASES = [(8, 40), (16, 48), (16, 96)]
+
+
+@pytest.mark.parametrize("heads,batch", RAISED_BAND_CASES,
+                         ids=[f"h{h}-b{b}" for h, b in RAISED_BAND_CASES])
+def test_band_below_a_raised_splitk_bound_replays_on_fa3_with_the_gpu_plan(
+        monkeypatch, heads: int, batch: int) -> None:
+    """The same decoder with the band moved below 97 requests: its batches run the
+    ``vllm-fa3-mla`` route planned on the GPU (``policy.vllm_fa3_device_plan``), replayed
+    after re-planning against float64."""
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH", 97)
+    monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", False)
+    decoder = replay_policy_decoder(heads, batch, "vllm-fa3-mla")
+    assert decoder.route._device_plan(batch)
+
+
+def replay_policy_decoder(heads: int, batch: int, route: str) -> MLADecoder:
+    """``test_policy_decoder_replays_its_batch_size_route``'s steps; returns the decoder."""
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device) != (9, 0):
         pytest.skip("the SM90 CUDA-graph rule")
@@ -153,6 +176,7 @@ def test_policy_decoder_replays_its_batch_size_route(heads: int, batch: int,
         print(f"[policy graph h{heads} b{batch} {route}] rel={rel:.2e} max={worst:.2e}")
         rel_bound, max_bound = bounds(p)
         assert rel < rel_bound and worst < max_bound, (rel, worst)
+    return decoder
 
 
 # (heads, q_len, steps of seq_lens): the vllm-fa3-mla route's launch reserves room for 64 KV

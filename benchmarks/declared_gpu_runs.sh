@@ -85,10 +85,10 @@ case "$phase" in
       --batches 33-96 --routes plugin,vllm-fa3-mla > "$out/band-kernel.log" 2>&1
     for rows in 8-8 9-16; do
       echo "rows a request $rows:"
-      python3 benchmarks/band16_bound_replay.py --bounds 0,97 --with-8-rows --rows "$rows" \
+      python3 benchmarks/band16_bound_replay.py --bounds 0,65,97 --with-8-rows --rows "$rows" \
         "$out/band.csv"
     done >> "$out/band-kernel.log" 2>&1
-    tail -8 "$out/band-kernel.log"
+    tail -10 "$out/band-kernel.log"
     ;;
   b32-fa3 | b32-flashmla)  # gpu-validation's next order, item 3 (run 238's command)
     baseline=FLASH_ATTN_MLA

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-11) and not
+# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-13) and not
 # yet run, one phase per device call (each under its 10-minute limit). Run from the
 # repository root on the GPU machine after the kit's calls (../shared/device/
 # fetch-vllm-kit.sh: its header says how); logs go to OUT (the device's $OUT).
@@ -34,7 +34,7 @@ decode_bench=(python3 benchmarks/bench_decode.py --graph-only --query-parts --kv
 engine_pair=(python3 benchmarks/bench_engine.py --heads 16 --output-len 336 --short-len 16
              --repeats 2 --no-warmup-engine --paired --kv auto --rounds 3)
 case "$phase" in
-  tests)  # addenda 10 and 11
+  tests)  # addenda 10, 11 and 13
     timeout 330 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_splitk_gpu.py \
       tests/gpu/test_decode_routes_gpu.py -k "splitk or one_row_group" \
       > "$out/pytest-splitk.log" 2>&1

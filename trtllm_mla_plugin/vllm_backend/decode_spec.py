@@ -22,7 +22,7 @@ SHORT_PREFILL_ROUTE_ENV_VAR = "TRTLLM_MLA_SHORT_PREFILL_ROUTE"
 
 
 #: ``1`` / ``0``: the ``vllm-fa3-mla`` route computes its per-step plan (length order,
-#: balanced splits) on the GPU / on the host, instead of as ``ops.policy.VLLM_FA3_DEVICE_PLAN``
+#: balanced splits) on the GPU / on the host, instead of as ``ops.policy.vllm_fa3_device_plan``
 #: says (benchmarks: an engine pair with the GPU plan on); unset = the policy's default.
 FA3_DEVICE_PLAN_ENV_VAR = "TRTLLM_MLA_FA3_DEVICE_PLAN"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-13) and not
+# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-14) and not
 # yet run, one phase per device call (each under its 10-minute limit). Run from the
 # repository root on the GPU machine after the kit's calls (../shared/device/
 # fetch-vllm-kit.sh: its header says how); logs go to OUT (the device's $OUT).
@@ -14,14 +14,18 @@
 #   bash benchmarks/declared_gpu_runs.sh pair80 OUT # the same at b80
 #   bash benchmarks/declared_gpu_runs.sh band-kernel OUT  # 8-16-row shapes at 33-96
 #                                                   # requests: the decoder and FA3 forced
+#   bash benchmarks/declared_gpu_runs.sh pair40 OUT # H100 (addendum 14): the pair at b40
+#   bash benchmarks/declared_gpu_runs.sh band-kernel-b49 OUT  # H100: 33-64 requests,
+#                                                   # fresh seeds, bounds 0 and 49
 #   bash benchmarks/declared_gpu_runs.sh b32-fa3 OUT       # h16 b32 against FLASH_ATTN_MLA
 #   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
-# engine-fa3, pair48 and pair80 (addendum 13) turn the FA3 route's GPU plan on in every
-# engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1).
+# engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
+# engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
+# on an H200, addendum 14's (pair40, band-kernel-b49) on an H100.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair48, pair80, band-kernel, b32-fa3, b32-flashmla}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b32-fa3, b32-flashmla}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -71,7 +75,7 @@ case "$phase" in
       > "$out/engine-fa3.log" 2>&1
     tail -8 "$out/engine-fa3.log"
     ;;
-  pair48 | pair80)  # addendum 13: runs 247 and 251 with the FA3 route's plan on the GPU
+  pair40 | pair48 | pair80)  # addenda 13-14: runs 247 and 251's command, the GPU plan on
     export TRTLLM_MLA_FA3_DEVICE_PLAN=1
     echo "TRTLLM_MLA_FA3_DEVICE_PLAN=1" > "$out/$phase.log"
     timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 61 --timeout 400 \
@@ -89,6 +93,17 @@ case "$phase" in
         "$out/band.csv"
     done >> "$out/band-kernel.log" 2>&1
     tail -10 "$out/band-kernel.log"
+    ;;
+  band-kernel-b49)  # addendum 14, on an H100: the band's 8-row batches at bound 49
+    timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/band.csv" --rounds 3 \
+      --query-parts --seeds 616,617,618,619 --count 1000 --request-rows 8-16 \
+      --batches 33-64 --routes plugin,vllm-fa3-mla > "$out/band-kernel-b49.log" 2>&1
+    for rows in 8-8 9-16; do
+      echo "rows a request $rows:"
+      python3 benchmarks/band16_bound_replay.py --bounds 0,49 --with-8-rows --rows "$rows" \
+        "$out/band.csv"
+    done >> "$out/band-kernel-b49.log" 2>&1
+    tail -10 "$out/band-kernel-b49.log"
     ;;
   b32-fa3 | b32-flashmla)  # gpu-validation's next order, item 3 (run 238's command)
     baseline=FLASH_ATTN_MLA

@@ -204,6 +204,26 @@ def test_band_below_a_raised_splitk_bound_goes_to_vllm_fa3(splitk_present, monke
     assert choose_route(spec(16), H200, shape=shape(64, 4 * K, 2 * K)).name == "cuda-splitk"
 
 
+def test_band_bound_is_read_per_gpu_by_name(splitk_present, monkeypatch):
+    """A bound in ``SPLITK_GRAPH_MIN_BATCH_BY_GPU`` holds on the GPUs whose name contains
+    its key, under CUDA graphs and in the FA3 route's plan; other GPUs keep
+    ``SPLITK_GRAPH_MIN_BATCH`` (33: every batch of 33 or more on ``cuda-splitk``)."""
+    h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH_BY_GPU", {"H100": 49})
+    assert policy.splitk_graph_min_batch(h100.name) == 49
+    assert policy.splitk_graph_min_batch(H200.name) == policy.SPLITK_GRAPH_MIN_BATCH == 33
+    for heads, q_len in ((16, 1), (8, 2)):
+        s = spec(heads, q_len=q_len)
+        for batch in (33, 48):
+            assert choose_route(s, h100, shape=BatchShape(batch, q_len)).name == "vllm-fa3-mla"
+            assert choose_route(s, H200, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
+            assert policy.vllm_fa3_device_plan(s, batch, h100.name)
+            assert not policy.vllm_fa3_device_plan(s, batch, H200.name)
+        assert choose_route(s, h100, shape=BatchShape(49, q_len)).name == "cuda-splitk"
+        assert not policy.vllm_fa3_device_plan(s, 49, h100.name)
+    assert not policy.vllm_fa3_device_plan(spec(16), 32, h100.name)  # host plan below 33
+
+
 def test_fp8_and_block32_never_take_bf16_flashmla(kernels_present):
     long_ragged = shape(128, 32 * K, 8 * K)
     assert choose_route(spec(128, kv=FP8), H200, shape=long_ragged).name == "flashmla-fp8"

@@ -286,6 +286,13 @@ SPLITK_MIN_BATCH = 48
 #: vLLM's FA3 kernel longest first, planned on the GPU (``vllm_fa3_device_plan``): none
 #: while the two bounds are equal.
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
+#: The same bound for GPUs whose name contains a key (``splitk_graph_min_batch``), where
+#: the engine measured the band's crossing apart: in the H100's engine pairs (61 layers,
+#: the GPU plan on; runs 284-289) FA3 won at b48 (balanced 1.014, 1.017) and lost from b56
+#: on (0.996 at b56, 0.976 at b64, 0.974 at b80), so a bound the H200 earns need not hold
+#: there. Empty: no card's bound has been read yet (addenda 13-14 of
+#: docs/bench-2026-12-05/run228-criteria.txt say what sets one).
+SPLITK_GRAPH_MIN_BATCH_BY_GPU: dict[str, int] = {}
 #: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at
 #: TP16; half a 16-row tile), ahead of vLLM's FA3 kernel, which the rule of
@@ -491,14 +498,27 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None,
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
-def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+def splitk_graph_min_batch(gpu_name: str = "") -> int:
+    """The fewest requests of a batch the CUDA-graph rule gives ``cuda-splitk`` on the GPU
+    named ``gpu_name`` (``torch.cuda.get_device_properties().name``): the first entry of
+    ``SPLITK_GRAPH_MIN_BATCH_BY_GPU`` whose key the name contains, else
+    ``SPLITK_GRAPH_MIN_BATCH``."""
+    for key, bound in SPLITK_GRAPH_MIN_BATCH_BY_GPU.items():
+        if key in gpu_name:
+            return bound
+    return SPLITK_GRAPH_MIN_BATCH
+
+
+def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None,
+                            gpu_name: str = "") -> bool:
     """The SM90 rule for vLLM's FA3 MLA kernel. Under CUDA graphs (no lengths): ahead of
     FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
     to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) of specs
     outside ``splitk_candidate`` whose query tiles are even (``uneven_query_tiles``), and
     for every batch of at most
-    ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request. With lengths:
+    ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request (the band's lower end read for the
+    GPU named ``gpu_name``, ``splitk_graph_min_batch``). With lengths:
     ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
     requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
     FlashMLA first where its rule, which then decides first, takes the batch)."""
@@ -511,7 +531,8 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     if request_rows <= VLLM_FA3_GRAPH_MAX_REQUEST_ROWS:
         return True
     if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
-            and not (splitk_candidate(spec) and shape.batch_size >= SPLITK_GRAPH_MIN_BATCH)
+            and not (splitk_candidate(spec)
+                     and shape.batch_size >= splitk_graph_min_batch(gpu_name))
             and (VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES
                  or not uneven_query_tiles(spec, shape.max_q_len))):
         return True
@@ -519,17 +540,17 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None) -> bool:
     return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
 
 
-def vllm_fa3_device_plan(spec: DecodeSpec, batch_size: int) -> bool:
+def vllm_fa3_device_plan(spec: DecodeSpec, batch_size: int, gpu_name: str = "") -> bool:
     """Whether the ``vllm-fa3-mla`` route computes the plan of a step of ``batch_size``
-    requests (its length order and balanced splits) on the GPU: every step where
-    ``VLLM_FA3_DEVICE_PLAN``, else the steps of ``splitk_candidate`` specs that the graph
-    rule gives vLLM's FA3 kernel longest first below ``SPLITK_GRAPH_MIN_BATCH`` (none while
-    that bound is the length order's own; addendum 13 of
-    docs/bench-2026-12-05/run228-criteria.txt says what moves it)."""
+    requests (its length order and balanced splits) on the GPU named ``gpu_name``: every
+    step where ``VLLM_FA3_DEVICE_PLAN``, else the steps of ``splitk_candidate`` specs that
+    the graph rule gives vLLM's FA3 kernel longest first below that GPU's
+    ``splitk_graph_min_batch`` (none while that bound is the length order's own; addenda
+    13-14 of docs/bench-2026-12-05/run228-criteria.txt say what moves it)."""
     if VLLM_FA3_DEVICE_PLAN:
         return True
     return (splitk_candidate(spec) and vllm_fa3_length_order(batch_size)
-            and batch_size < SPLITK_GRAPH_MIN_BATCH)
+            and batch_size < splitk_graph_min_batch(gpu_name))
 
 
 def vllm_fa3_length_order(batch_size: int) -> bool:
@@ -586,15 +607,17 @@ def splitk_candidate(spec: DecodeSpec) -> bool:
             and SPLITK_MIN_REQUEST_ROWS <= rows <= SPLITK_MAX_REQUEST_ROWS)
 
 
-def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None) -> bool:
+def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None,
+                          gpu_name: str = "") -> bool:
     """The SM90 rule for the plugin's CUDA split-KV kernel (``splitk_candidate`` specs):
-    under CUDA graphs batches of ``SPLITK_GRAPH_MIN_BATCH`` or more; with lengths known,
+    under CUDA graphs batches of ``splitk_graph_min_batch(gpu_name)`` or more (the bound of
+    the GPU named ``gpu_name``); with lengths known,
     ``SPLITK_MIN_BATCH`` or more with enough KV tokens, no request holding too large a share
     of them, and ragged (or long uniform) lengths (see the constants)."""
     if shape is None or shape.batch_size > SPLITK_MAX_BATCH:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: batch size alone
-        return splitk_candidate(spec) and shape.batch_size >= SPLITK_GRAPH_MIN_BATCH
+        return splitk_candidate(spec) and shape.batch_size >= splitk_graph_min_batch(gpu_name)
     if not splitk_candidate(spec):
         return False
     if shape.batch_size < SPLITK_MIN_BATCH:
@@ -653,11 +676,12 @@ def rank(
         # Without lengths (CUDA graphs) vLLM's FA3 rule decides before FlashMLA's, which
         # takes every other batch there; with lengths FlashMLA's rule decides first.
         lengths_known = shape is not None and shape.max_seq_len is not None
-        if hopper_prefers_vllm_fa3(spec, shape) and not (lengths_known and flashmla):
+        if (hopper_prefers_vllm_fa3(spec, shape, platform.name)
+                and not (lengths_known and flashmla)):
             ranking = HOPPER_VLLM_FA3_FIRST
         else:
             ranking = HOPPER_FLASHMLA_FIRST if flashmla else HOPPER
-        return (SPLITK, *ranking) if hopper_prefers_splitk(spec, shape) else ranking
+        return (SPLITK, *ranking) if hopper_prefers_splitk(spec, shape, platform.name) else ranking
     if platform.capability >= (8, 0):
         return AMPERE_ADA
     return OTHER

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from .. import fa3_splits, policy
-from ..platform import Platform
+from ..platform import Platform, platform_of
 from ..spec import DecodeBatch, DecodeSpec, KVScales, split_query
 from .base import (
     DecodeRoute,
@@ -334,6 +334,8 @@ class VllmFA3MLARoute(DecodeRoute):
         #: SMs FA3 spreads its work over (its split formula's ``num_sm``).
         self._sms = (torch.cuda.get_device_properties(device).multi_processor_count
                      if device.type == "cuda" else policy.HOPPER_SMS)
+        #: The GPU's name, which picks the band's bound (``policy.splitk_graph_min_batch``).
+        self._gpu_name = platform_of(device).name
 
     def plan(self, batch: DecodeBatch) -> None:
         b, spec = batch.batch_size, self.spec
@@ -417,7 +419,7 @@ class VllmFA3MLARoute(DecodeRoute):
         ``kernels.fa3_split_plan``; a band given as infinite keeps the host's)."""
         wanted = self.device_plan_override
         if wanted is None:
-            wanted = policy.vllm_fa3_device_plan(self.spec, batch_size)
+            wanted = policy.vllm_fa3_device_plan(self.spec, batch_size, self._gpu_name)
         return wanted and (self.spill_override is None or math.isfinite(self.spill_override))
 
     def _splits(self, batch: DecodeBatch) -> tuple[int, int]:

@@ -9,7 +9,7 @@ within ``LOGPROB_ATOL`` up to there, and at least ``MIN_COMPARED`` of all steps 
 
 Tolerances. The model is bfloat16: two correct bf16 MLA decoders differ in rounding, and a
 random model's logprobs move with it over the steps of a generation. Measured on the H200
-(2026-11-30, run 16; docs/gpu-validation.md): on the "mix" and "prefix" workloads vLLM's
+(2026-11-30, run 16; docs/gpu-validation-history.md): on the "mix" and "prefix" workloads vLLM's
 own TRITON_MLA (block 32) and FLASHMLA (block 64) differ by up to 0.062 in logprob, and
 every engine, vLLM's and the plugin's, lies within 0.036-0.053 of the same model run in
 float32 on vLLM's CPU engine (benchmarks/engine_vs_float32.py).

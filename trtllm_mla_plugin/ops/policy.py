@@ -501,8 +501,9 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None,
 def splitk_graph_min_batch(gpu_name: str = "") -> int:
     """The fewest requests of a batch the CUDA-graph rule gives ``cuda-splitk`` on the GPU
     named ``gpu_name`` (``torch.cuda.get_device_properties().name``): the first entry of
-    ``SPLITK_GRAPH_MIN_BATCH_BY_GPU`` whose key the name contains, else
-    ``SPLITK_GRAPH_MIN_BATCH``."""
+    ``SPLITK_GRAPH_MIN_BATCH_BY_GPU`` whose key the name contains (as
+    ``splitk_mla_decode.ONE_CTA_GPUS`` matches: a key ``"H200"`` also names the GH200),
+    else ``SPLITK_GRAPH_MIN_BATCH``."""
     for key, bound in SPLITK_GRAPH_MIN_BATCH_BY_GPU.items():
         if key in gpu_name:
             return bound
@@ -514,11 +515,11 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None,
     """The SM90 rule for vLLM's FA3 MLA kernel. Under CUDA graphs (no lengths): ahead of
     FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
     ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
-    to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) of specs
-    outside ``splitk_candidate`` whose query tiles are even (``uneven_query_tiles``), and
-    for every batch of at most
-    ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request (the band's lower end read for the
-    GPU named ``gpu_name``, ``splitk_graph_min_batch``). With lengths:
+    to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) whose query
+    tiles are even (``uneven_query_tiles``), but for those of ``splitk_candidate`` specs
+    from the band's bound of the GPU named ``gpu_name`` on (``splitk_graph_min_batch``),
+    and for every batch of at most ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request.
+    With lengths:
     ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
     requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
     FlashMLA first where its rule, which then decides first, takes the batch)."""

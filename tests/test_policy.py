@@ -205,14 +205,15 @@ def test_band_below_a_raised_splitk_bound_goes_to_vllm_fa3(splitk_present, monke
 
 
 def test_band_bound_is_read_per_gpu_by_name(splitk_present, monkeypatch):
-    """A bound in ``SPLITK_GRAPH_MIN_BATCH_BY_GPU`` holds on the GPUs whose name contains
-    its key, under CUDA graphs and in the FA3 route's plan; other GPUs keep
+    """A bound in ``SPLITK_GRAPH_BANDS_BY_GPU`` holds on the GPUs whose name contains its
+    key, under CUDA graphs and in the FA3 route's plan; other GPUs keep
     ``SPLITK_GRAPH_MIN_BATCH`` (33: every batch of 33 or more on ``cuda-splitk``)."""
     h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH_BY_GPU", {"H100": 49})
-    assert policy.splitk_graph_min_batch(h100.name) == 49
-    assert policy.splitk_graph_min_batch(H200.name) == policy.SPLITK_GRAPH_MIN_BATCH == 33
-    for heads, q_len in ((16, 1), (8, 2)):
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_BANDS_BY_GPU", {"H100": policy.BandBound(49)})
+    assert policy.splitk_graph_min_batch(spec(16), h100.name) == 49
+    assert policy.splitk_graph_min_batch(spec(16), H200.name) == policy.SPLITK_GRAPH_MIN_BATCH
+    assert policy.SPLITK_GRAPH_MIN_BATCH == 33
+    for heads, q_len in ((16, 1), (8, 1), (8, 2)):
         s = spec(heads, q_len=q_len)
         for batch in (33, 48):
             assert choose_route(s, h100, shape=BatchShape(batch, q_len)).name == "vllm-fa3-mla"
@@ -222,6 +223,23 @@ def test_band_bound_is_read_per_gpu_by_name(splitk_present, monkeypatch):
         assert choose_route(s, h100, shape=BatchShape(49, q_len)).name == "cuda-splitk"
         assert not policy.vllm_fa3_device_plan(s, 49, h100.name)
     assert not policy.vllm_fa3_device_plan(spec(16), 32, h100.name)  # host plan below 33
+
+
+def test_band_bound_can_leave_the_8_row_batches_on_splitk(splitk_present, monkeypatch):
+    """``BandBound.fewest_request_rows`` 9: the GPU's 9-16-row batches move to FA3 below its
+    bound, its 8-row batches (8 heads at one token) keep ``cuda-splitk`` from 33."""
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_BANDS_BY_GPU",
+                        {"H200": policy.BandBound(97, fewest_request_rows=9)})
+    eight, sixteen = spec(8), spec(8, q_len=2)
+    assert policy.splitk_graph_min_batch(eight, H200.name) == 33
+    assert policy.splitk_graph_min_batch(sixteen, H200.name) == 97
+    for batch in (33, 64, 96):
+        assert choose_route(eight, H200, shape=BatchShape(batch, 1)).name == "cuda-splitk"
+        assert not policy.vllm_fa3_device_plan(eight, batch, H200.name)
+        assert choose_route(sixteen, H200, shape=BatchShape(batch, 2)).name == "vllm-fa3-mla"
+        assert policy.vllm_fa3_device_plan(sixteen, batch, H200.name)
+    assert choose_route(spec(16), H200, shape=BatchShape(64, 1)).name == "vllm-fa3-mla"
+    assert choose_route(sixteen, H200, shape=BatchShape(97, 2)).name == "cuda-splitk"
 
 
 def test_fp8_and_block32_never_take_bf16_flashmla(kernels_present):

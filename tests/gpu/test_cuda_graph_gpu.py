@@ -138,12 +138,12 @@ def test_band_below_a_raised_splitk_bound_replays_on_fa3_with_the_gpu_plan(
 
 def test_band_bound_raised_for_this_gpu_by_name_replays_on_fa3_with_the_gpu_plan(
         monkeypatch) -> None:
-    """The bound raised for this GPU alone (``SPLITK_GRAPH_MIN_BATCH_BY_GPU`` keyed by its
+    """The bound raised for this GPU alone (``SPLITK_GRAPH_BANDS_BY_GPU`` keyed by its
     name, as a card's measured bound would be): the decoder and its route read the name
     from the device, so a 48-request band batch runs ``vllm-fa3-mla`` planned on the GPU,
     replayed after re-planning against float64."""
     name = torch.cuda.get_device_name()
-    monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH_BY_GPU", {name: 97})
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_BANDS_BY_GPU", {name: policy.BandBound(97)})
     monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", False)
     assert policy.SPLITK_GRAPH_MIN_BATCH < 48
     decoder = replay_policy_decoder(16, 48, "vllm-fa3-mla")

@@ -284,15 +284,8 @@ SPLITK_MIN_BATCH = 48
 #: won at b48 (1.040, run 247) and lost at b80 (0.990, run 251): it stays there too.
 #: Batches of the band below this bound and from VLLM_FA3_LENGTH_ORDER_MIN_BATCH on go to
 #: vLLM's FA3 kernel longest first, planned on the GPU (``vllm_fa3_device_plan``): none
-#: while the two bounds are equal.
+#: while the two bounds are equal. A GPU can have its own (``SPLITK_GRAPH_BANDS_BY_GPU``).
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
-#: The same bound for GPUs whose name contains a key (``splitk_graph_min_batch``), where
-#: the engine measured the band's crossing apart: in the H100's engine pairs (61 layers,
-#: the GPU plan on; runs 284-289) FA3 won at b48 (balanced 1.014, 1.017) and lost from b56
-#: on (0.996 at b56, 0.976 at b64, 0.974 at b80), so a bound the H200 earns need not hold
-#: there. Empty: no card's bound has been read yet (addenda 13-14 of
-#: docs/bench-2026-12-05/run228-criteria.txt say what sets one).
-SPLITK_GRAPH_MIN_BATCH_BY_GPU: dict[str, int] = {}
 #: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at
 #: TP16; half a 16-row tile), ahead of vLLM's FA3 kernel, which the rule of
@@ -346,6 +339,33 @@ SMALL_PREFILL_MAX_Q_LEN = 512
 #: Routes for those batches, most preferred first: on SM90 with a 16-bit cache, the kernel
 #: FLASH_ATTN_MLA runs them on (so they cost what they cost without the plugin).
 HOPPER_SMALL_PREFILL = (VLLM_FA3,)
+
+
+@dataclass(frozen=True)
+class BandBound:
+    """Where one GPU's CUDA-graph rule starts the split-KV band (``splitk_graph_min_batch``).
+
+    Attributes:
+        min_batch: batches of fewer requests (from ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH`` on)
+            go to vLLM's FA3 kernel longest first, planned on the GPU; from it on to
+            ``cuda-splitk``.
+        fewest_request_rows: only specs of at least this many query rows a request move
+            with ``min_batch``; the band's others keep ``SPLITK_GRAPH_MIN_BATCH`` (9 keeps
+            the 8-row batches on ``cuda-splitk``: the limit addenda 13-14 set where their
+            shapes lose at the new bound).
+    """
+
+    min_batch: int
+    fewest_request_rows: int = SPLITK_MIN_REQUEST_ROWS
+
+
+#: Each GPU's own band bound, for GPUs whose name contains a key, where the engine measured
+#: the band's crossing apart: in the H100's engine pairs (61 layers, the GPU plan on; runs
+#: 284-289) FA3 won at b48 (balanced 1.014, 1.017) and lost from b56 on (0.996 at b56,
+#: 0.976 at b64, 0.974 at b80), so a bound the H200 earns need not hold there. Empty: no
+#: card's bound has been read yet (addenda 13-14 of docs/bench-2026-12-05/run228-criteria.txt
+#: say what sets one).
+SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {}
 
 
 @dataclass(frozen=True)
@@ -498,15 +518,18 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None,
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
-def splitk_graph_min_batch(gpu_name: str = "") -> int:
-    """The fewest requests of a batch the CUDA-graph rule gives ``cuda-splitk`` on the GPU
-    named ``gpu_name`` (``torch.cuda.get_device_properties().name``): the first entry of
-    ``SPLITK_GRAPH_MIN_BATCH_BY_GPU`` whose key the name contains (as
-    ``splitk_mla_decode.ONE_CTA_GPUS`` matches: a key ``"H200"`` also names the GH200),
-    else ``SPLITK_GRAPH_MIN_BATCH``."""
-    for key, bound in SPLITK_GRAPH_MIN_BATCH_BY_GPU.items():
+def splitk_graph_min_batch(spec: DecodeSpec, gpu_name: str = "") -> int:
+    """The fewest requests of a batch of ``spec`` that the CUDA-graph rule gives
+    ``cuda-splitk`` on the GPU named ``gpu_name`` (``torch.cuda.get_device_properties()
+    .name``): the first entry of ``SPLITK_GRAPH_BANDS_BY_GPU`` whose key the name contains
+    (as ``splitk_mla_decode.ONE_CTA_GPUS`` matches: a key ``"H200"`` also names the GH200)
+    if ``spec``'s query rows a request reach its ``fewest_request_rows``, else
+    ``SPLITK_GRAPH_MIN_BATCH``."""
+    for key, band in SPLITK_GRAPH_BANDS_BY_GPU.items():
         if key in gpu_name:
-            return bound
+            if spec.num_heads * spec.max_q_len >= band.fewest_request_rows:
+                return band.min_batch
+            break
     return SPLITK_GRAPH_MIN_BATCH
 
 
@@ -533,7 +556,7 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None,
         return True
     if (VLLM_FA3_LENGTH_ORDER_MIN_BATCH <= shape.batch_size <= VLLM_FA3_GRAPH_ORDERED_MAX_BATCH
             and not (splitk_candidate(spec)
-                     and shape.batch_size >= splitk_graph_min_batch(gpu_name))
+                     and shape.batch_size >= splitk_graph_min_batch(spec, gpu_name))
             and (VLLM_FA3_GRAPH_ORDERED_UNEVEN_TILES
                  or not uneven_query_tiles(spec, shape.max_q_len))):
         return True
@@ -551,7 +574,7 @@ def vllm_fa3_device_plan(spec: DecodeSpec, batch_size: int, gpu_name: str = "") 
     if VLLM_FA3_DEVICE_PLAN:
         return True
     return (splitk_candidate(spec) and vllm_fa3_length_order(batch_size)
-            and batch_size < splitk_graph_min_batch(gpu_name))
+            and batch_size < splitk_graph_min_batch(spec, gpu_name))
 
 
 def vllm_fa3_length_order(batch_size: int) -> bool:
@@ -611,14 +634,15 @@ def splitk_candidate(spec: DecodeSpec) -> bool:
 def hopper_prefers_splitk(spec: DecodeSpec, shape: BatchShape | None,
                           gpu_name: str = "") -> bool:
     """The SM90 rule for the plugin's CUDA split-KV kernel (``splitk_candidate`` specs):
-    under CUDA graphs batches of ``splitk_graph_min_batch(gpu_name)`` or more (the bound of
+    under CUDA graphs batches of ``splitk_graph_min_batch`` requests or more (the bound of
     the GPU named ``gpu_name``); with lengths known,
     ``SPLITK_MIN_BATCH`` or more with enough KV tokens, no request holding too large a share
     of them, and ragged (or long uniform) lengths (see the constants)."""
     if shape is None or shape.batch_size > SPLITK_MAX_BATCH:
         return False
     if shape.max_seq_len is None:  # CUDA graphs: batch size alone
-        return splitk_candidate(spec) and shape.batch_size >= splitk_graph_min_batch(gpu_name)
+        return (splitk_candidate(spec)
+                and shape.batch_size >= splitk_graph_min_batch(spec, gpu_name))
     if not splitk_candidate(spec):
         return False
     if shape.batch_size < SPLITK_MIN_BATCH:

@@ -331,11 +331,11 @@ class VllmFA3MLARoute(DecodeRoute):
                                       dtype=torch.int32, device=device)
         self._scheduler_written = 0
         self._batch: DecodeBatch | None = None
+        platform = platform_of(device)
         #: SMs FA3 spreads its work over (its split formula's ``num_sm``).
-        self._sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                     if device.type == "cuda" else policy.HOPPER_SMS)
+        self._sms = platform.sm_count or policy.HOPPER_SMS
         #: The GPU's name, which picks the band's bound (``policy.splitk_graph_min_batch``).
-        self._gpu_name = platform_of(device).name
+        self._gpu_name = platform.name
 
     def plan(self, batch: DecodeBatch) -> None:
         b, spec = batch.batch_size, self.spec

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-14) and not
+# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-15) and not
 # yet run, one phase per device call (each under its 10-minute limit). Run from the
 # repository root on the GPU machine after the kit's calls (../shared/device/
 # fetch-vllm-kit.sh: its header says how); logs go to OUT (the device's $OUT).
@@ -17,15 +17,17 @@
 #   bash benchmarks/declared_gpu_runs.sh pair40 OUT # H100 (addendum 14): the pair at b40
 #   bash benchmarks/declared_gpu_runs.sh band-kernel-b49 OUT  # H100: 33-64 requests,
 #                                                   # fresh seeds, bounds 0 and 49
+#   bash benchmarks/declared_gpu_runs.sh b40-fa3 OUT  # H100 (addendum 15): the default
+#   bash benchmarks/declared_gpu_runs.sh b48-fa3 OUT  # plugin against FLASH_ATTN_MLA, 61 layers
 #   bash benchmarks/declared_gpu_runs.sh b32-fa3 OUT       # h16 b32 against FLASH_ATTN_MLA
 #   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
-# on an H200, addendum 14's (pair40, band-kernel-b49) on an H100.
+# on an H200, addendum 14's (pair40, band-kernel-b49) and 15's (b40-fa3, b48-fa3) on an H100.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b32-fa3, b32-flashmla}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -45,7 +47,7 @@ case "$phase" in
     tail -8 "$out/pytest-splitk.log"
     timeout 240 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py \
       tests/gpu/test_plan_host_gpu.py \
-      -k "balanced or length_order or planner or plan_host or raised_splitk_bound or raised_for_this_gpu" \
+      -k "balanced or length_order or planner or plan_host or raised_splitk_bound or raised_for_this_gpu or own_band_bound" \
       > "$out/pytest-plan.log" 2>&1
     tail -8 "$out/pytest-plan.log"
     ;;
@@ -104,6 +106,12 @@ case "$phase" in
         "$out/band.csv"
     done >> "$out/band-kernel-b49.log" 2>&1
     tail -10 "$out/band-kernel-b49.log"
+    ;;
+  b40-fa3 | b48-fa3)  # addendum 15: the H100's bound as shipped, no env var, over vLLM's default
+    batch="${phase%-fa3}"
+    timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 61 --timeout 400 \
+      --batches "${batch#b}" --backends TRTLLM_MLA,FLASH_ATTN_MLA > "$out/$phase.log" 2>&1
+    tail -12 "$out/$phase.log"
     ;;
   b32-fa3 | b32-flashmla)  # gpu-validation's next order, item 3 (run 238's command)
     baseline=FLASH_ATTN_MLA

@@ -225,6 +225,33 @@ def test_band_bound_is_read_per_gpu_by_name(splitk_present, monkeypatch):
     assert not policy.vllm_fa3_device_plan(spec(16), 32, h100.name)  # host plan below 33
 
 
+def test_h100s_band_bound_is_49_for_9_to_16_rows(splitk_present):
+    """The H100's entry as addendum 14 read runs 291-292: under CUDA graphs its 9-16-row
+    batches of 33-48 requests run vLLM's FA3 kernel longest first, planned on the GPU, and
+    ``cuda-splitk`` from 49; its 8-row batches keep ``cuda-splitk`` from 33; the H200 (no
+    entry) keeps ``cuda-splitk`` from 33 at any rows."""
+    h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
+    assert policy.SPLITK_GRAPH_BANDS_BY_GPU["H100"] == policy.BandBound(49, fewest_request_rows=9)
+    assert policy.SPLITK_GRAPH_MIN_BATCH == 33
+    assert not any(key in H200.name for key in policy.SPLITK_GRAPH_BANDS_BY_GPU)
+    for heads, q_len in ((16, 1), (8, 2)):
+        s = spec(heads, q_len=q_len)
+        assert policy.splitk_graph_min_batch(s, h100.name) == 49
+        for batch in (33, 40, 48):
+            assert choose_route(s, h100, shape=BatchShape(batch, q_len)).name == "vllm-fa3-mla"
+            assert policy.vllm_fa3_device_plan(s, batch, h100.name)
+            assert choose_route(s, H200, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
+            assert not policy.vllm_fa3_device_plan(s, batch, H200.name)
+        for batch in (49, 64, 1024):
+            assert choose_route(s, h100, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
+            assert not policy.vllm_fa3_device_plan(s, batch, h100.name)
+    eight = spec(8)
+    assert policy.splitk_graph_min_batch(eight, h100.name) == 33
+    for batch in (33, 48, 64):
+        assert choose_route(eight, h100, shape=BatchShape(batch, 1)).name == "cuda-splitk"
+        assert not policy.vllm_fa3_device_plan(eight, batch, h100.name)
+
+
 def test_band_bound_can_leave_the_8_row_batches_on_splitk(splitk_present, monkeypatch):
     """``BandBound.fewest_request_rows`` 9: the GPU's 9-16-row batches move to FA3 below its
     bound, its 8-row batches (8 heads at one token) keep ``cuda-splitk`` from 33."""

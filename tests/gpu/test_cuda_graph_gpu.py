@@ -150,6 +150,24 @@ def test_band_bound_raised_for_this_gpu_by_name_replays_on_fa3_with_the_gpu_plan
     assert decoder.route._device_plan(48)
 
 
+def test_this_gpus_own_band_bound_replays_on_each_side(monkeypatch) -> None:
+    """This GPU's entry in ``SPLITK_GRAPH_BANDS_BY_GPU`` as shipped (the H100's 49, 9-16
+    rows): a 16-row batch just below the bound runs ``vllm-fa3-mla`` planned on the GPU, one
+    at the bound ``cuda-splitk``, and an 8-row batch below it ``cuda-splitk`` where the
+    entry leaves 8 rows there; each replayed after re-planning against float64."""
+    monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", False)
+    name = torch.cuda.get_device_name()
+    band = next((b for key, b in policy.SPLITK_GRAPH_BANDS_BY_GPU.items() if key in name), None)
+    if band is None:
+        pytest.skip(f"no band bound of its own for {name}")
+    below = band.min_batch - 1
+    decoder = replay_policy_decoder(16, below, "vllm-fa3-mla")
+    assert decoder.route._device_plan(below)
+    replay_policy_decoder(16, band.min_batch, "cuda-splitk")
+    if band.fewest_request_rows > 8:
+        replay_policy_decoder(8, below, "cuda-splitk")
+
+
 def replay_policy_decoder(heads: int, batch: int, route: str) -> MLADecoder:
     """``test_policy_decoder_replays_its_batch_size_route``'s steps; returns the decoder."""
     device = torch.device("cuda")

@@ -284,7 +284,8 @@ SPLITK_MIN_BATCH = 48
 #: won at b48 (1.040, run 247) and lost at b80 (0.990, run 251): it stays there too.
 #: Batches of the band below this bound and from VLLM_FA3_LENGTH_ORDER_MIN_BATCH on go to
 #: vLLM's FA3 kernel longest first, planned on the GPU (``vllm_fa3_device_plan``): none
-#: while the two bounds are equal. A GPU can have its own (``SPLITK_GRAPH_BANDS_BY_GPU``).
+#: while the two bounds are equal. A GPU can have its own (``SPLITK_GRAPH_BANDS_BY_GPU``:
+#: the H100's is 49).
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
 #: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at
@@ -360,12 +361,17 @@ class BandBound:
 
 
 #: Each GPU's own band bound, for GPUs whose name contains a key, where the engine measured
-#: the band's crossing apart: in the H100's engine pairs (61 layers, the GPU plan on; runs
-#: 284-289) FA3 won at b48 (balanced 1.014, 1.017) and lost from b56 on (0.996 at b56,
-#: 0.976 at b64, 0.974 at b80), so a bound the H200 earns need not hold there. Empty: no
-#: card's bound has been read yet (addenda 13-14 of docs/bench-2026-12-05/run228-criteria.txt
-#: say what sets one).
-SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {}
+#: the band's crossing apart (addenda 13-14 of docs/bench-2026-12-05/run228-criteria.txt
+#: declared the readings before the runs). H100 (80GB HBM3): in the engine pairs (h16, 61
+#: layers, FA3 planned on the GPU over ``cuda-splitk``) FA3 won at b40 (balanced 1.029, run
+#: 292) and b48 (1.014, 1.017; runs 284, 288) and lost from b56 on (0.996 at b56, 0.976 at
+#: b64, 0.974 at b80), so 49; its 8-row batches stay on ``cuda-splitk``: at 49 the kernels
+#: alone scored them 1.035 on geomean against 1.021 at 33, but worst 0.839, under the
+#: addendum's 0.90 (run 291, seeds 616-619, 24 8-row shapes of 33-64 requests). The H200's
+#: bound is not read yet (addendum 13's phases run on an H200 only): it keeps 33.
+SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {
+    "H100": BandBound(49, fewest_request_rows=9),
+}
 
 
 @dataclass(frozen=True)

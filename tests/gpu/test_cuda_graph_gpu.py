@@ -131,6 +131,7 @@ def test_band_below_a_raised_splitk_bound_replays_on_fa3_with_the_gpu_plan(
     ``vllm-fa3-mla`` route planned on the GPU (``policy.vllm_fa3_device_plan``), replayed
     after re-planning against float64."""
     monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH", 97)
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_BANDS_BY_GPU", {})
     monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", False)
     decoder = replay_policy_decoder(heads, batch, "vllm-fa3-mla")
     assert decoder.route._device_plan(batch)

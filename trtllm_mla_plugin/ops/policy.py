@@ -368,7 +368,9 @@ class BandBound:
 #: b64, 0.974 at b80), so 49; its 8-row batches stay on ``cuda-splitk``: at 49 the kernels
 #: alone scored them 1.035 on geomean against 1.021 at 33, but worst 0.839, under the
 #: addendum's 0.90 (run 291, seeds 616-619, 24 8-row shapes of 33-64 requests). The H200's
-#: bound is not read yet (addendum 13's phases run on an H200 only): it keeps 33.
+#: bound is not read yet (addendum 13's phases run on an H200 only): it keeps 33. Measured
+#: on the H100 SXM (80GB HBM3) alone; the key also names the PCIe and NVL H100s, as
+#: ``ONE_CTA_GPUS`` does.
 SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {
     "H100": BandBound(49, fewest_request_rows=9),
 }

@@ -526,18 +526,23 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None,
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
+def band_bound(gpu_name: str) -> BandBound | None:
+    """The band bound of the GPU named ``gpu_name`` (``torch.cuda.get_device_properties()
+    .name``): the first entry of ``SPLITK_GRAPH_BANDS_BY_GPU`` whose key the name contains
+    (as ``splitk_mla_decode.ONE_CTA_GPUS`` matches: a key ``"H200"`` also names the GH200),
+    or ``None``."""
+    return next((band for key, band in SPLITK_GRAPH_BANDS_BY_GPU.items() if key in gpu_name),
+                None)
+
+
 def splitk_graph_min_batch(spec: DecodeSpec, gpu_name: str = "") -> int:
     """The fewest requests of a batch of ``spec`` that the CUDA-graph rule gives
-    ``cuda-splitk`` on the GPU named ``gpu_name`` (``torch.cuda.get_device_properties()
-    .name``): the first entry of ``SPLITK_GRAPH_BANDS_BY_GPU`` whose key the name contains
-    (as ``splitk_mla_decode.ONE_CTA_GPUS`` matches: a key ``"H200"`` also names the GH200)
-    if ``spec``'s query rows a request reach its ``fewest_request_rows``, else
+    ``cuda-splitk`` on the GPU named ``gpu_name``: its ``band_bound``'s ``min_batch`` if
+    ``spec``'s query rows a request reach that bound's ``fewest_request_rows``, else
     ``SPLITK_GRAPH_MIN_BATCH``."""
-    for key, band in SPLITK_GRAPH_BANDS_BY_GPU.items():
-        if key in gpu_name:
-            if spec.num_heads * spec.max_q_len >= band.fewest_request_rows:
-                return band.min_batch
-            break
+    band = band_bound(gpu_name)
+    if band is not None and spec.num_heads * spec.max_q_len >= band.fewest_request_rows:
+        return band.min_batch
     return SPLITK_GRAPH_MIN_BATCH
 
 

@@ -551,8 +551,10 @@ def test_wide_batch_on_split_kv_kernel_matches_vllm(engine, ours_name: str, ref_
     """128 requests decoding together under CUDA graphs, finishing in waves (batches of
     128 down to 21): the plugin's decoder holds its own split-KV kernel (``cuda-splitk``,
     built with the machine's nvcc at engine start) for the batches of 33 or more and vLLM's
-    FA3 kernel below, and the generations match vLLM's own backend's. 16 heads (16 query
-    rows per request) against FLASHMLA; 8 heads (8 rows) against FLASH_ATTN_MLA."""
+    FA3 kernel below (on a GPU with its own band bound, ``policy.band_bound``, the band's
+    batches under it run FA3 planned on the GPU: an H100's 16-row batches of 33-48), and the
+    generations match vLLM's own backend's. 16 heads (16 query rows per request) against
+    FLASHMLA; 8 heads (8 rows) against FLASH_ATTN_MLA."""
     from trtllm_mla_plugin.ops.kernels.nvcc_build import cached_cubin, find_nvcc
     from trtllm_mla_plugin.ops.kernels.splitk_mla_decode import CAPABILITY, SOURCE
 

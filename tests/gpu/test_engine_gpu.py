@@ -146,7 +146,8 @@ CLIENT_PROMPTS = [prompt_ids(n, 4000 + i) for i, n in enumerate(CLIENT_LENS)]
 #: Lengths 60-2959 across 64-token pages.
 WIDE_LENS = [(211 * i) % 2900 + 60 for i in range(128)]
 #: Requests finish in six waves, so the decode batch runs 128, 107, 85, 64, 43 and 21 wide:
-#: `cuda-splitk` under CUDA graphs from 33 requests on, vLLM's FA3 kernel below.
+#: `cuda-splitk` under CUDA graphs from 33 requests on, vLLM's FA3 kernel below (at 16
+#: heads on an H100, whose band bound is 49, the 43-request wave runs FA3 too).
 WIDE_TOKENS = [8 * (1 + i % 6) for i in range(len(WIDE_LENS))]
 #: 100 requests of near-equal length (1000-1015 tokens, 16-17 KV tiles of 64) decoding
 #: together at 16 heads, captured at 104: FA3's own formula cuts every request in two

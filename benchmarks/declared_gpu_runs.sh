@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-15) and not
-# yet run, one phase per device call (each under its 10-minute limit). Run from the
+# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-15) and the
+# engine cases left on today's code, one phase per device call (each under its 10-minute
+# limit); which have run, and which are next, is in docs/gpu-validation.md. Run from the
 # repository root on the GPU machine after the kit's calls (../shared/device/
 # fetch-vllm-kit.sh: its header says how); logs go to OUT (the device's $OUT).
 #

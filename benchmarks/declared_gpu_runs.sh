@@ -24,13 +24,15 @@
 #   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
 #   bash benchmarks/declared_gpu_runs.sh engine-rest OUT   # the engine cases runs 299-304
 #                                                   # left; repeat the call until all report
+#   bash benchmarks/declared_gpu_runs.sh engine OUT  # all 20 one-GPU engine cases,
+#                                                   # resumable as engine-rest
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
 # on an H200, addendum 14's (pair40, band-kernel-b49) and 15's (b40-fa3, b48-fa3) on an H100.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -42,6 +44,15 @@ decode_bench=(python3 benchmarks/bench_decode.py --graph-only --query-parts --kv
               --random-batches 33-1024 --rounds 3)
 engine_pair=(python3 benchmarks/bench_engine.py --heads 16 --output-len 336 --short-len 16
              --repeats 2 --no-warmup-engine --paired --kv auto --rounds 3)
+# Engine results are kept on the machine (TRTLLM_MLA_ENGINE_CACHE), so a second call on the
+# same warm machine goes on from where the first one's time limit cut it, without starting a
+# finished engine again.
+engine_cases() {
+  TRTLLM_MLA_ENGINE_CACHE=/tmp/trtllm-mla-engines TRTLLM_MLA_TEST_OUT="$out/t" timeout 560 \
+    python3 -m pytest -v -rfs -p no:cacheprovider tests/gpu/test_engine_gpu.py -k "$1" \
+    > "$out/$phase.log" 2>&1
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/$phase.log" | tail -24
+}
 case "$phase" in
   tests)  # addenda 10, 11 and 13
     timeout 330 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_splitk_gpu.py \
@@ -124,14 +135,11 @@ case "$phase" in
     tail -12 "$out/$phase.log"
     ;;
   engine-rest)  # test_engine_gpu.py's cases not run on 1fbf7bb's bound (runs 299-304 ran the
-    # wide batches, the two FA3 cases and MTP 1-2). Engine results are kept on the machine
-    # (TRTLLM_MLA_ENGINE_CACHE), so a second call on the same warm machine goes on from
-    # where the first one's time limit cut it, without starting a finished engine again.
-    TRTLLM_MLA_ENGINE_CACHE=/tmp/trtllm-mla-engines TRTLLM_MLA_TEST_OUT="$out/t" timeout 560 \
-      python3 -m pytest -v -rfs -p no:cacheprovider tests/gpu/test_engine_gpu.py \
-      -k "not wide_batch and not fa3 and not tensor_parallel and not without[1] and not without[2]" \
-      > "$out/engine-rest.log" 2>&1
-    grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/engine-rest.log" | tail -20
+    # wide batches, the two FA3 cases and MTP 1-2)
+    engine_cases "not wide_batch and not fa3 and not tensor_parallel and not without[1] and not without[2]"
+    ;;
+  engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)
+    engine_cases "not tensor_parallel"
     ;;
   *)
     echo "unknown phase $phase" >&2

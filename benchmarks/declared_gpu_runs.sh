@@ -31,6 +31,8 @@
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
 # on an H200, addendum 14's (pair40, band-kernel-b49) and 15's (b40-fa3, b48-fa3) on an H100.
+# tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
+# (or leaves out) still names a GPU test.
 set -u
 phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine}"
 out="${2:?output directory}"

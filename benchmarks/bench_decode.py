@@ -177,13 +177,16 @@ def add_shape_options(ap: argparse.ArgumentParser, count: int,
                       request_rows: tuple[int, int], batches: tuple[int, int]) -> None:
     """The shape options of the graph benchmarks (``graph_routes_ab``,
     ``graph_switch_probe``): grid indices, and random draws filtered by query rows per
-    request and batch size (``chosen_shapes`` reads them)."""
+    request, batch size and the batch's query rows (``chosen_shapes`` reads them)."""
     ap.add_argument("--grid", default="", help="comma-separated indices into bench_decode's "
                     "grid (bf16 shapes)")
     ap.add_argument("--seeds", default="", help="comma-separated random-set seeds")
     ap.add_argument("--count", type=int, default=count, help="shapes drawn per seed")
     ap.add_argument("--request-rows", type=int_range, default=request_rows, metavar="LO-HI")
     ap.add_argument("--batches", type=int_range, default=batches, metavar="LO-HI")
+    ap.add_argument("--rows", type=int_range, default=None, metavar="LO-HI",
+                    help="keep the draws whose batch has LO to HI query rows (requests x "
+                         "heads x query tokens)")
 
 
 def chosen_shapes(args: argparse.Namespace,
@@ -193,7 +196,8 @@ def chosen_shapes(args: argparse.Namespace,
     shapes = [(int(i), FULL[int(i)]) for i in args.grid.split(",") if i]
     for seed in (int(x) for x in args.seeds.split(",") if x):
         shapes += [(case_seed, shape) for case_seed, shape in random_set(
-            seed, args.count, keep=BF, request_rows=args.request_rows, batches=args.batches)
+            seed, args.count, keep=BF, request_rows=args.request_rows, batches=args.batches,
+            rows=args.rows)
             if keep(shape)]
     return shapes
 

@@ -1179,6 +1179,9 @@ def test_chosen_shapes_keep_the_grid_and_filter_the_draws():
     assert kept == [(3, bench_decode.FULL[3]), (44, bench_decode.FULL[44]), draws[5]]
     narrow = ap.parse_args(["--seeds", "500", "--batches", "1-8"])
     assert all(shape[1] <= 8 for _, shape in bench_decode.chosen_shapes(narrow))
+    wide = ap.parse_args(["--seeds", "500,501", "--count", "400", "--rows", "3073-16384"])
+    wide_shapes = [shape for _, shape in bench_decode.chosen_shapes(wide)]
+    assert wide_shapes and all(3073 <= h * b * q <= 16384 for h, b, _, _, q, *_ in wide_shapes)
 
 
 def test_graph_switch_probe_summary_scores_the_faster_flagged_route(tmp_path):

@@ -47,6 +47,9 @@ PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
 BINS = ((17, 24), (25, 32), (33, 40), (41, 48), (49, 64), (65, 80), (81, 95), (96, 127),
         (128, 1024))
 BOUNDS = (33, 40, 48, 56, 64, 80, 96)
+#: Bounds on a batch's query rows scored for "vllm-fa3-mla up to X rows, flashmla past
+#: it" (``policy.VLLM_FA3_GRAPH_MAX_ROWS``, 32 requests or fewer).
+ROWS_BOUNDS = (3072, 4096, 6144, 8192, 12288, 16384)
 
 
 #: ``--routes`` name of the CUDA-graph decoder itself (no route forced).
@@ -112,6 +115,21 @@ def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str],
                       if (s := score(t, "cuda-splitk" if b >= bound else other))]
             print(f"cuda-splitk from {bound} requests, {other} below "
                   f"(batches >= {BOUNDS[0]}): {line(values)}")
+    if {"vllm-fa3-mla", "flashmla"} <= set(routes) and any(names):
+        rows = [query_rows(name) for name in names]
+        for bound in ROWS_BOUNDS:
+            values = [s for n, (_, t) in zip(rows, results, strict=True)
+                      if (s := score(t, "vllm-fa3-mla" if n <= bound else "flashmla"))]
+            under = sum(v < 0.95 for v in values)
+            print(f"vllm-fa3-mla up to {bound} query rows, flashmla past it: {line(values)}, "
+                  f"under 0.95: {under}")
+
+
+def query_rows(name: str) -> int:
+    """A batch's query rows (requests x heads x query tokens) from its shape name, e.g.
+    ``h128 b32 9951 r0.04 q1 bf16 p64`` -> 4096."""
+    fields = {f[0]: f[1:] for f in name.split() if f[:1] in "hbq" and f[1:].isdigit()}
+    return int(fields["h"]) * int(fields["b"]) * int(fields["q"])
 
 
 def read_results(path: Path) -> list[tuple[int, dict[str, float]]]:

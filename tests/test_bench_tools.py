@@ -1349,6 +1349,32 @@ def test_graph_routes_ab_rotates_the_order_and_scores_by_median(monkeypatch, tmp
     assert lines[at + 1] == "  s1 0.500"
 
 
+def test_graph_routes_ab_scores_each_rows_bound_between_fa3_and_flashmla():
+    """With both ``vllm-fa3-mla`` and ``flashmla`` timed, ``summarize`` scores "FA3 up to X
+    query rows (requests x heads x query tokens, read from the shape name), FlashMLA past
+    it" for each X of ``ROWS_BOUNDS``, with the count under 0.95."""
+    import graph_routes_ab as ab
+
+    assert ab.query_rows("h128 b32 9951 r0.04 q1 bf16 p64") == 4096
+    assert ab.query_rows("h64 b25 1414 r0.19 q4 bf16 p64") == 6400
+    peers = {ab.PEERS[0]: 100.0, ab.PEERS[1]: 120.0}
+    results = [(32, {**peers, "vllm-fa3-mla": 80.0, "flashmla": 125.0}),   # 4096 rows
+               (25, {**peers, "vllm-fa3-mla": 200.0, "flashmla": 100.0})]  # 6400 rows
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        ab.summarize(results, ["vllm-fa3-mla", "flashmla"],
+                     ["h128 b32 9951 r0.04 q1 bf16 p64", "h64 b25 1414 r0.19 q4 bf16 p64"])
+    lines = printed.getvalue().splitlines()
+    # 3072: FlashMLA for both (0.8, 1.0); 4096: FA3 for the first (1.25, 1.0); 6144 and up:
+    # FA3 for both (1.25, 0.5)
+    assert ("vllm-fa3-mla up to 3072 query rows, flashmla past it: geomean 0.894 worst 0.800 "
+            "n 2, under 0.95: 1") in lines
+    assert ("vllm-fa3-mla up to 4096 query rows, flashmla past it: geomean 1.118 worst 1.000 "
+            "n 2, under 0.95: 0") in lines
+    assert ("vllm-fa3-mla up to 16384 query rows, flashmla past it: geomean 0.791 worst 0.500 "
+            "n 2, under 0.95: 1") in lines
+
+
 def test_graph_routes_ab_times_the_decoder_itself_as_plugin(monkeypatch):
     """``--routes plugin`` is the CUDA-graph decoder with no route forced (the policy's pick,
     as the engine runs it); other names are routes forced; both with the engine's query."""

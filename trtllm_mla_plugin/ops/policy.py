@@ -124,7 +124,9 @@ VLLM_FA3_GRAPH_MAX_BATCH = 32
 #: q2; against the faster of vLLM's two calls 0.984 -> 1.029) and checked on run 180 (4
 #: shapes, 1.094x) and run 184 (47 fresh shapes drawn at 2049-3072 rows, seeds 305-308:
 #: 1.053x, worst 0.785 at h32 b28 321 q3, 0.88-1.02x from 12k tokens on; 0.984 -> 1.026 of
-#: the faster of vLLM's calls, shapes under 0.95 13 -> 4).
+#: the faster of vLLM's calls, shapes under 0.95 13 -> 4). On an H100 (run 313, addendum 16:
+#: 84 fresh shapes of 3073-16384 rows at <= 32 requests) no bound of 4096-16384 passed the
+#: declared reading: FA3 was faster at <= 2k tokens (27 of 28), FlashMLA from 10k (24 of 32).
 VLLM_FA3_GRAPH_MAX_ROWS = 3072
 #: Whatever the batch size, vLLM's FA3 MLA kernel also takes batches with at most this many
 #: query rows per request (heads x query tokens: Kimi-K2's 64 heads at TP8, DeepSeek-V3's

@@ -23,8 +23,10 @@ seconds of its graph (``bench_decode.SUSTAIN_S``).
 ``--out``: one row per shape and kernel (us per round and their median; ``--summarize``
 reads it back on any machine); stdout: per batch range, each route's geometric mean and
 worst of (the faster of vLLM's two calls) / route, over all shapes the same with the count
-under 0.98 and the shapes under it, and for each lower bound T, the rule "cuda-splitk from
-T requests, the first route below" scored the same way (when both are timed).
+under 0.98 and the shapes under it, for each lower bound T, the rule "cuda-splitk from
+T requests, the first route below" scored the same way (when both are timed), and for each
+rows bound X, "vllm-fa3-mla up to X query rows, flashmla past it" (when both are timed;
+``--rows`` keeps the draws of a range of query rows).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def score(times: dict[str, float], route: str) -> float | None:
 def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str],
               names: list[str] | None = None) -> None:
     """Per batch range and route, over all shapes (``names``: the shapes', to list those
-    under ``AIM``), then per lower bound of the ``cuda-splitk`` range."""
+    under ``AIM`` and read their query rows), then per lower bound of the ``cuda-splitk``
+    range and per bound of ``ROWS_BOUNDS`` between ``vllm-fa3-mla`` and ``flashmla``."""
     def line(values: list[float]) -> str:
         return (f"geomean {statistics.geometric_mean(values):.3f} worst {min(values):.3f} "
                 f"n {len(values)}") if values else "n 0"

@@ -26,15 +26,18 @@
 #                                                   # left; repeat the call until all report
 #   bash benchmarks/declared_gpu_runs.sh engine OUT  # all 20 one-GPU engine cases,
 #                                                   # resumable as engine-rest
+#   bash benchmarks/declared_gpu_runs.sh rows4096 OUT  # H100 (addendum 17): FA3 and
+#                                                   # FlashMLA at 3073-4096 query rows
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
-# on an H200, addendum 14's (pair40, band-kernel-b49) and 15's (b40-fa3, b48-fa3) on an H100.
+# on an H200, addendum 14's (pair40, band-kernel-b49), 15's (b40-fa3, b48-fa3) and 17's
+# (rows4096) on an H100.
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -142,6 +145,13 @@ case "$phase" in
     ;;
   engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)
     engine_cases "not tensor_parallel"
+    ;;
+  rows4096)  # addendum 17, on an H100: batches of <= 32 requests at 3073-4096 query rows
+    timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/rows4096.csv" --rounds 3 \
+      --query-parts --seeds 728,729,730,731,732,733,734,735 --count 1000 \
+      --request-rows 97-512 --batches 1-32 --rows 3073-4096 \
+      --routes plugin,vllm-fa3-mla,flashmla > "$out/rows4096.log" 2>&1
+    grep -E "^all shapes|query rows" "$out/rows4096.log"
     ;;
   *)
     echo "unknown phase $phase" >&2

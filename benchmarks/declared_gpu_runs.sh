@@ -27,7 +27,8 @@
 #   bash benchmarks/declared_gpu_runs.sh engine OUT  # all 20 one-GPU engine cases,
 #                                                   # resumable as engine-rest
 #   bash benchmarks/declared_gpu_runs.sh rows4096 OUT  # H100 (addendum 17): FA3 and
-#                                                   # FlashMLA at 3073-4096 query rows
+#                                                   # FlashMLA at 3073-4096 query rows,
+#                                                   # then the GPU test of a rows bound
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
@@ -152,6 +153,9 @@ case "$phase" in
       --request-rows 97-512 --batches 1-32 --rows 3073-4096 \
       --routes plugin,vllm-fa3-mla,flashmla > "$out/rows4096.log" 2>&1
     grep -E "^all shapes|query rows" "$out/rows4096.log"
+    timeout 150 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py \
+      -k rows_bound > "$out/pytest-rows-bound.log" 2>&1
+    tail -4 "$out/pytest-rows-bound.log"
     ;;
   *)
     echo "unknown phase $phase" >&2

@@ -252,6 +252,29 @@ def test_h100s_band_bound_is_49_for_9_to_16_rows(splitk_present):
         assert not policy.vllm_fa3_device_plan(eight, batch, h100.name)
 
 
+def test_rows_bound_is_read_per_gpu_by_name(kernels_present, monkeypatch):
+    """An entry in ``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` moves the CUDA-graph rule's rows bound
+    (batches of at most 32 requests) on the GPUs whose name contains its key: 128 heads at
+    one token and 32 requests (4096 rows) run vLLM's FA3 kernel there and FlashMLA
+    elsewhere; past the entry's bound FlashMLA everywhere. As shipped: no entry, 3072."""
+    h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
+    assert policy.VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU == {}
+    for gpu in (h100, H200):
+        assert policy.vllm_fa3_graph_max_rows(gpu.name) == policy.VLLM_FA3_GRAPH_MAX_ROWS == 3072
+        assert choose_route(spec(128), gpu, shape=BatchShape(32, 1)).name == "flashmla"
+    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {"H100": 4096})
+    assert policy.vllm_fa3_graph_max_rows(h100.name) == 4096
+    assert policy.vllm_fa3_graph_max_rows(H200.name) == 3072
+    assert choose_route(spec(128), h100, shape=BatchShape(32, 1)).name == "vllm-fa3-mla"
+    assert choose_route(spec(128), H200, shape=BatchShape(32, 1)).name == "flashmla"
+    assert choose_route(spec(128), h100, shape=BatchShape(8, 4)).name == "vllm-fa3-mla"
+    # 4224 rows (11 requests of 3 tokens at 128 heads): past the entry's bound
+    assert choose_route(spec(128), h100, shape=BatchShape(11, 3)).name == "flashmla"
+    # 33 requests: the request bound, not the rows bound, decides (FA3 longest first)
+    assert (choose_route(spec(128), h100, shape=BatchShape(33, 1)).name
+            == choose_route(spec(128), H200, shape=BatchShape(33, 1)).name == "vllm-fa3-mla")
+
+
 def test_band_bound_can_leave_the_8_row_batches_on_splitk(splitk_present, monkeypatch):
     """``BandBound.fewest_request_rows`` 9: the GPU's 9-16-row batches move to FA3 below its
     bound, its 8-row batches (8 heads at one token) keep ``cuda-splitk`` from 33."""

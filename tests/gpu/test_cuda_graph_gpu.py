@@ -151,6 +151,18 @@ def test_band_bound_raised_for_this_gpu_by_name_replays_on_fa3_with_the_gpu_plan
     assert decoder.route._device_plan(48)
 
 
+def test_rows_bound_raised_for_this_gpu_replays_on_fa3(monkeypatch) -> None:
+    """A rows bound of 4096 for this GPU alone (``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` keyed by
+    its name, addendum 17's candidate): 128 heads at one token and 32 requests (4096 query
+    rows) run ``vllm-fa3-mla``, and ``flashmla`` without the entry; each replayed after
+    re-planning against float64."""
+    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {})
+    replay_policy_decoder(128, 32, "flashmla")
+    name = torch.cuda.get_device_name()
+    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {name: 4096})
+    replay_policy_decoder(128, 32, "vllm-fa3-mla")
+
+
 def test_this_gpus_own_band_bound_replays_on_each_side(monkeypatch) -> None:
     """This GPU's entry in ``SPLITK_GRAPH_BANDS_BY_GPU`` as shipped (the H100's 49, 9-16
     rows): a 16-row batch just below the bound runs ``vllm-fa3-mla`` planned on the GPU, one

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .platform import Platform
 from .spec import DecodeSpec
+
+T = TypeVar("T")
 
 REFERENCE = "torch-reference"
 FA3, FLASHMLA, FA2 = "flashinfer-fa3", "flashmla", "flashinfer-fa2"
@@ -128,6 +131,12 @@ VLLM_FA3_GRAPH_MAX_BATCH = 32
 #: 84 fresh shapes of 3073-16384 rows at <= 32 requests) no bound of 4096-16384 passed the
 #: declared reading: FA3 was faster at <= 2k tokens (27 of 28), FlashMLA from 10k (24 of 32).
 VLLM_FA3_GRAPH_MAX_ROWS = 3072
+#: Each GPU's own rows bound in place of ``VLLM_FA3_GRAPH_MAX_ROWS``, for GPUs whose name
+#: contains a key (``gpu_entry``). None set yet: addendum 17 of
+#: docs/bench-2026-12-05/run228-criteria.txt declares the run that may set 4096 (run 313's
+#: 3073-4096-row shapes: FA3 1.085x and 1.143x the faster of vLLM's calls on geomean,
+#: FlashMLA 1.006x and 1.001x, on an H100).
+VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU: dict[str, int] = {}
 #: Whatever the batch size, vLLM's FA3 MLA kernel also takes batches with at most this many
 #: query rows per request (heads x query tokens: Kimi-K2's 64 heads at TP8, DeepSeek-V3's
 #: 128 at TP16, one token each): the same kernel as vLLM's default, and the faster one on 14
@@ -528,13 +537,26 @@ def hopper_prefers_flashmla(spec: DecodeSpec, shape: BatchShape | None,
     return shape.max_seq_len >= FLASHMLA_RAGGED_LONG_SEQ and _ragged(shape)
 
 
+def gpu_entry(entries: dict[str, T], gpu_name: str) -> T | None:
+    """The first of ``entries`` whose key the GPU name ``gpu_name``
+    (``torch.cuda.get_device_properties().name``) contains, as
+    ``splitk_mla_decode.ONE_CTA_GPUS`` matches (a key ``"H200"`` also names the GH200), or
+    ``None``."""
+    return next((entry for key, entry in entries.items() if key in gpu_name), None)
+
+
 def band_bound(gpu_name: str) -> BandBound | None:
-    """The band bound of the GPU named ``gpu_name`` (``torch.cuda.get_device_properties()
-    .name``): the first entry of ``SPLITK_GRAPH_BANDS_BY_GPU`` whose key the name contains
-    (as ``splitk_mla_decode.ONE_CTA_GPUS`` matches: a key ``"H200"`` also names the GH200),
-    or ``None``."""
-    return next((band for key, band in SPLITK_GRAPH_BANDS_BY_GPU.items() if key in gpu_name),
-                None)
+    """The band bound of the GPU named ``gpu_name``: its entry in
+    ``SPLITK_GRAPH_BANDS_BY_GPU``, or ``None``."""
+    return gpu_entry(SPLITK_GRAPH_BANDS_BY_GPU, gpu_name)
+
+
+def vllm_fa3_graph_max_rows(gpu_name: str) -> int:
+    """The most query rows of a batch of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests that
+    the CUDA-graph rule gives vLLM's FA3 kernel on the GPU named ``gpu_name``: its entry in
+    ``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU``, else ``VLLM_FA3_GRAPH_MAX_ROWS``."""
+    rows = gpu_entry(VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU, gpu_name)
+    return VLLM_FA3_GRAPH_MAX_ROWS if rows is None else rows
 
 
 def splitk_graph_min_batch(spec: DecodeSpec, gpu_name: str = "") -> int:
@@ -551,12 +573,13 @@ def splitk_graph_min_batch(spec: DecodeSpec, gpu_name: str = "") -> int:
 def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None,
                             gpu_name: str = "") -> bool:
     """The SM90 rule for vLLM's FA3 MLA kernel. Under CUDA graphs (no lengths): ahead of
-    FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and
-    ``VLLM_FA3_GRAPH_MAX_ROWS`` query rows, for batches of ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH``
-    to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests (launched longest first) whose query
-    tiles are even (``uneven_query_tiles``), but for those of ``splitk_candidate`` specs
-    from the band's bound of the GPU named ``gpu_name`` on (``splitk_graph_min_batch``),
-    and for every batch of at most ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request.
+    FlashMLA for batches of at most ``VLLM_FA3_GRAPH_MAX_BATCH`` requests and the rows bound
+    of the GPU named ``gpu_name`` (``vllm_fa3_graph_max_rows``), for batches of
+    ``VLLM_FA3_LENGTH_ORDER_MIN_BATCH`` to ``VLLM_FA3_GRAPH_ORDERED_MAX_BATCH`` requests
+    (launched longest first) whose query tiles are even (``uneven_query_tiles``), but for
+    those of ``splitk_candidate`` specs from the band's bound of that GPU on
+    (``splitk_graph_min_batch``), and for every batch of at most
+    ``VLLM_FA3_GRAPH_MAX_REQUEST_ROWS`` rows per request.
     With lengths:
     ahead of FlashInfer FA3 for one-token batches of at most ``VLLM_FA3_EAGER_MAX_BATCH``
     requests and at least ``VLLM_FA3_EAGER_MIN_KV_TOKENS`` KV tokens (``rank`` puts
@@ -576,7 +599,8 @@ def hopper_prefers_vllm_fa3(spec: DecodeSpec, shape: BatchShape | None,
                  or not uneven_query_tiles(spec, shape.max_q_len))):
         return True
     rows = shape.batch_size * request_rows
-    return shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH and rows <= VLLM_FA3_GRAPH_MAX_ROWS
+    return (shape.batch_size <= VLLM_FA3_GRAPH_MAX_BATCH
+            and rows <= vllm_fa3_graph_max_rows(gpu_name))
 
 
 def vllm_fa3_device_plan(spec: DecodeSpec, batch_size: int, gpu_name: str = "") -> bool:

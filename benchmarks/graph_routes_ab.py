@@ -131,8 +131,8 @@ def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str],
 def query_rows(name: str) -> int:
     """A batch's query rows (requests x heads x query tokens) from its shape name, e.g.
     ``h128 b32 9951 r0.04 q1 bf16 p64`` -> 4096."""
-    fields = {f[0]: f[1:] for f in name.split() if f[:1] in "hbq" and f[1:].isdigit()}
-    return int(fields["h"]) * int(fields["b"]) * int(fields["q"])
+    heads, batch, _, _, q_len, *_ = bench_decode.parse_shape_name(name)
+    return heads * batch * q_len
 
 
 def read_results(path: Path) -> list[tuple[int, dict[str, float]]]:

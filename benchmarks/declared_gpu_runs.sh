@@ -67,7 +67,7 @@ case "$phase" in
     tail -8 "$out/pytest-splitk.log"
     timeout 240 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py \
       tests/gpu/test_plan_host_gpu.py \
-      -k "balanced or length_order or planner or plan_host or raised_splitk_bound or raised_for_this_gpu or own_band_bound" \
+      -k "balanced or length_order or planner or plan_host or raised_splitk_bound or raised_for_this_gpu or own_band_bound or own_rows_bound" \
       > "$out/pytest-plan.log" 2>&1
     tail -8 "$out/pytest-plan.log"
     ;;

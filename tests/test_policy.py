@@ -256,13 +256,10 @@ def test_rows_bound_is_read_per_gpu_by_name(kernels_present, monkeypatch):
     """An entry in ``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` moves the CUDA-graph rule's rows bound
     (batches of at most 32 requests) on the GPUs whose name contains its key: 128 heads at
     one token and 32 requests (4096 rows) run vLLM's FA3 kernel there and FlashMLA
-    elsewhere; past the entry's bound FlashMLA everywhere. As shipped: no entry, 3072."""
+    elsewhere; past the entry's bound FlashMLA everywhere. As shipped: the H100's 4096 (run
+    314), 3072 on the others."""
     h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
-    assert policy.VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU == {}
-    for gpu in (h100, H200):
-        assert policy.vllm_fa3_graph_max_rows(gpu.name) == policy.VLLM_FA3_GRAPH_MAX_ROWS == 3072
-        assert choose_route(spec(128), gpu, shape=BatchShape(32, 1)).name == "flashmla"
-    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {"H100": 4096})
+    assert policy.VLLM_FA3_GRAPH_MAX_ROWS == 3072
     assert policy.vllm_fa3_graph_max_rows(h100.name) == 4096
     assert policy.vllm_fa3_graph_max_rows(H200.name) == 3072
     assert choose_route(spec(128), h100, shape=BatchShape(32, 1)).name == "vllm-fa3-mla"
@@ -273,6 +270,13 @@ def test_rows_bound_is_read_per_gpu_by_name(kernels_present, monkeypatch):
     # 33 requests: the request bound, not the rows bound, decides (FA3 longest first)
     assert (choose_route(spec(128), h100, shape=BatchShape(33, 1)).name
             == choose_route(spec(128), H200, shape=BatchShape(33, 1)).name == "vllm-fa3-mla")
+    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {})
+    for gpu in (h100, H200):
+        assert policy.vllm_fa3_graph_max_rows(gpu.name) == 3072
+        assert choose_route(spec(128), gpu, shape=BatchShape(32, 1)).name == "flashmla"
+    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {"H200": 4096})
+    assert choose_route(spec(128), h100, shape=BatchShape(32, 1)).name == "flashmla"
+    assert choose_route(spec(128), H200, shape=BatchShape(32, 1)).name == "vllm-fa3-mla"
 
 
 def test_band_bound_can_leave_the_8_row_batches_on_splitk(splitk_present, monkeypatch):

@@ -163,6 +163,19 @@ def test_rows_bound_raised_for_this_gpu_replays_on_fa3(monkeypatch) -> None:
     replay_policy_decoder(128, 32, "vllm-fa3-mla")
 
 
+def test_this_gpus_own_rows_bound_replays_on_fa3() -> None:
+    """This GPU's entry in ``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` as shipped (the H100's 4096,
+    run 314): 128 heads at one token and as many requests as the bound holds (32 for 4096)
+    run ``vllm-fa3-mla``, replayed after re-planning against float64."""
+    name = torch.cuda.get_device_name()
+    rows = policy.gpu_entry(policy.VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU, name)
+    if rows is None:
+        pytest.skip(f"no rows bound of its own for {name}")
+    batch = min(policy.VLLM_FA3_GRAPH_MAX_BATCH, rows // 128)
+    assert batch * 128 > policy.VLLM_FA3_GRAPH_MAX_ROWS, "the entry moves no 128-head batch"
+    replay_policy_decoder(128, batch, "vllm-fa3-mla")
+
+
 def test_this_gpus_own_band_bound_replays_on_each_side(monkeypatch) -> None:
     """This GPU's entry in ``SPLITK_GRAPH_BANDS_BY_GPU`` as shipped (the H100's 49, 9-16
     rows): a 16-row batch just below the bound runs ``vllm-fa3-mla`` planned on the GPU, one

@@ -129,14 +129,19 @@ VLLM_FA3_GRAPH_MAX_BATCH = 32
 #: 1.053x, worst 0.785 at h32 b28 321 q3, 0.88-1.02x from 12k tokens on; 0.984 -> 1.026 of
 #: the faster of vLLM's calls, shapes under 0.95 13 -> 4). On an H100 (run 313, addendum 16:
 #: 84 fresh shapes of 3073-16384 rows at <= 32 requests) no bound of 4096-16384 passed the
-#: declared reading: FA3 was faster at <= 2k tokens (27 of 28), FlashMLA from 10k (24 of 32).
+#: declared reading: FA3 was faster at <= 2k tokens (27 of 28), FlashMLA from 10k (24 of 32);
+#: run 314 then read 4096 alone for the H100 (below).
 VLLM_FA3_GRAPH_MAX_ROWS = 3072
 #: Each GPU's own rows bound in place of ``VLLM_FA3_GRAPH_MAX_ROWS``, for GPUs whose name
-#: contains a key (``gpu_entry``). None set yet: addendum 17 of
-#: docs/bench-2026-12-05/run228-criteria.txt declares the run that may set 4096 (run 313's
-#: 3073-4096-row shapes: FA3 1.085x and 1.143x the faster of vLLM's calls on geomean,
-#: FlashMLA 1.006x and 1.001x, on an H100).
-VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU: dict[str, int] = {}
+#: contains a key (``gpu_entry``). H100 (80GB HBM3), read as addendum 17 of
+#: docs/bench-2026-12-05/run228-criteria.txt declared: on run 314's 73 fresh shapes of
+#: 3073-4096 rows at <= 32 requests (seeds 728-735) FA3 scored 1.080x the faster of vLLM's
+#: calls on geomean (worst 0.889, 7 under 0.95) and FlashMLA 0.959x (worst 0.681, 26 under
+#: 0.95); run 313's shapes in that range agreed (FA3 1.085x and 1.143x, FlashMLA 1.006x and
+#: 1.001x). The H200 is not read yet (the same phase, after addendum 13's): it keeps 3072.
+#: Measured on the H100 SXM alone; the key also names the PCIe and NVL H100s, as
+#: ``SPLITK_GRAPH_BANDS_BY_GPU``'s does.
+VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU: dict[str, int] = {"H100": 4096}
 #: Whatever the batch size, vLLM's FA3 MLA kernel also takes batches with at most this many
 #: query rows per request (heads x query tokens: Kimi-K2's 64 heads at TP8, DeepSeek-V3's
 #: 128 at TP16, one token each): the same kernel as vLLM's default, and the faster one on 14

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-15) and the
+# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-18) and the
 # engine cases left on today's code, one phase per device call (each under its 10-minute
 # limit); which have run, and which are next, is in docs/gpu-validation.md. Run from the
 # repository root on the GPU machine after the kit's calls (../shared/device/
@@ -29,16 +29,20 @@
 #   bash benchmarks/declared_gpu_runs.sh rows4096 OUT  # H100 (addendum 17): FA3 and
 #                                                   # FlashMLA at 3073-4096 query rows,
 #                                                   # then the GPU test of a rows bound
+#   bash benchmarks/declared_gpu_runs.sh rows4096-engine OUT  # H100 (addendum 18): h128
+#                                                   # b32 (4096 rows) in the engine, the
+#                                                   # plugin against FlashMLA forced and
+#                                                   # against FLASH_ATTN_MLA
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
 # on an H200, addendum 14's (pair40, band-kernel-b49), 15's (b40-fa3, b48-fa3) and 17's
-# (rows4096) on an H100.
+# (rows4096) and 18's (rows4096-engine) on an H100.
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096, rows4096-engine}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -146,6 +150,13 @@ case "$phase" in
     ;;
   engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)
     engine_cases "not tensor_parallel"
+    ;;
+  rows4096-engine)  # addendum 18, on an H100: the rows bound 4096 in the engine
+    for baseline in TRTLLM_MLA@flashmla FLASH_ATTN_MLA; do
+      timeout 280 "${engine_pair[@]}" --heads 128 --out "$out/e-${baseline#*@}" --layers 24 \
+        --timeout 250 --batches 32 --backends "TRTLLM_MLA,$baseline" >> "$out/$phase.log" 2>&1
+    done
+    grep -E "^\| 128" "$out/$phase.log"
     ;;
   rows4096)  # addendum 17, on an H100: batches of <= 32 requests at 3073-4096 query rows
     timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/rows4096.csv" --rounds 3 \

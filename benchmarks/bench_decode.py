@@ -161,7 +161,13 @@ def random_set(seed: int, count: int, kv_kinds: tuple[str, ...] = (BF, F8),
     return [(1000 * seed + i, shape)
             for i, shape in enumerate(random_shapes(seed, count, kv_kinds))
             if keep in ("both", shape[5]) and within(shape[0] * shape[4], request_rows)
-            and within(shape[1], batches) and within(shape[0] * shape[1] * shape[4], rows)]
+            and within(shape[1], batches) and within(batch_query_rows(shape), rows)]
+
+
+def batch_query_rows(shape: tuple) -> int:
+    """A shape's query rows for the whole batch: heads x requests x query tokens."""
+    heads, batch, _ctx, _kind, q_len, *_ = shape
+    return heads * batch * q_len
 
 
 def int_range(text: str) -> tuple[int, int]:

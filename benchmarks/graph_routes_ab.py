@@ -131,8 +131,7 @@ def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str],
 def query_rows(name: str) -> int:
     """A batch's query rows (requests x heads x query tokens) from its shape name, e.g.
     ``h128 b32 9951 r0.04 q1 bf16 p64`` -> 4096."""
-    heads, batch, _, _, q_len, *_ = bench_decode.parse_shape_name(name)
-    return heads * batch * q_len
+    return bench_decode.batch_query_rows(bench_decode.parse_shape_name(name))
 
 
 def read_results(path: Path) -> list[tuple[int, dict[str, float]]]:

@@ -538,7 +538,9 @@ def add_shared_args(ap: argparse.ArgumentParser) -> None:
                          "each for two engines in one process, --paired). Two 128-head "
                          "engines with an FP8 cache ran out of memory in one process at 0.45 "
                          "and at 0.4 (runs 166, 168: after its prefills over cached FP8 "
-                         "context, vLLM's own path, the first engine held 72-75 GiB)")
+                         "context, vLLM's own path, the first engine held 72-75 GiB), and "
+                         "two bf16 ones on an H100 80 GB at 0.45 (run 319: vLLM's chunked-"
+                         "context prefill asked 4 GiB past the profiled budget; 0.35 ran)")
     ap.add_argument("--mtp", type=int, default=0, metavar="K",
                     help="speculative decoding: the model gets one DeepSeek MTP layer that "
                          "drafts K tokens a step (vLLM's method 'mtp'), so every decode batch "

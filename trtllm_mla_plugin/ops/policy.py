@@ -138,7 +138,9 @@ VLLM_FA3_GRAPH_MAX_ROWS = 3072
 #: 3073-4096 rows at <= 32 requests (seeds 728-735) FA3 scored 1.080x the faster of vLLM's
 #: calls on geomean (worst 0.889, 7 under 0.95) and FlashMLA 0.959x (worst 0.681, 26 under
 #: 0.95); run 313's shapes in that range agreed (FA3 1.085x and 1.143x, FlashMLA 1.006x and
-#: 1.001x). The H200 is not read yet (the same phase, after addendum 13's): it keeps 3072.
+#: 1.001x). In the engine (addendum 18, h128 b32, 24 layers) the H100 decoded 1.119x the
+#: same engine with FlashMLA forced (run 321). The H200 is not read yet (the same phase,
+#: after addendum 13's): it keeps 3072.
 #: Measured on the H100 SXM alone; the key also names the PCIe and NVL H100s, as
 #: ``SPLITK_GRAPH_BANDS_BY_GPU``'s does.
 VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU: dict[str, int] = {"H100": 4096}

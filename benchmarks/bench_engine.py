@@ -48,7 +48,10 @@ the prefill path, not decode) and every fixed cost. Decode tokens/s = B / step. 
 its repeats from the spread between instances (rounds).
 Columns ``sm_mhz``, ``power_w`` (medians) and ``power_capped`` (share of samples with the
 power cap limiting the clock): ``nvidia-smi`` sampled over the timed ``generate(1 + N)``
-repeats (``gpu_clocks``), empty without it.
+repeats (``gpu_clocks``), empty without it. Column ``gpu_mem_mib``: the GPU's memory in use
+(``nvidia-smi``) right after a batch's timed runs: an engine alone in its process holds
+its ``gpu_memory_utilization`` share plus what vLLM's memory profiling did not see (the
+chunked-context prefill's transients: run 320); with ``--paired``, both engines together.
 ``tokens_per_s`` / ``tpot_ms`` are the whole ``generate(1 + N)`` (recompute step
 included), as in run 13. The attention share is the plugin decoder's own time for one
 layer at that batch (``ops.MLADecoder`` on the same lengths and a 16-bit query in vLLM's
@@ -92,7 +95,7 @@ FIELDS = ["round", "heads", "kv", "backend", "batch", "output_len", "decode_s", 
           "attn_layer_us", "attn_share", "status", "steps_each_ms", "core_step_ms",
           "core_steps_each_ms", "core_decode_tokens_per_s", "core_median_step_ms",
           "core_step_quantiles_each_ms", "core_median_decode_tokens_per_s", "mtp",
-          "sm_mhz", "power_w", "power_capped"]
+          "sm_mhz", "power_w", "power_capped", "gpu_mem_mib"]
 
 
 def prompt_lens(batch: int, lo: int, hi: int, seed: int) -> list[int]:
@@ -412,6 +415,9 @@ def worker(args: argparse.Namespace) -> None:
             clock_summary = summarize_clocks(gpu[n])
             if clock_summary is not None:
                 row.update(clock_summary.columns())
+        used = gpu_memory_used_mib()
+        for row in rows[-len(names):]:
+            row["gpu_mem_mib"] = "" if not used else str(max(used))
         # Every repeat's own step estimate too: how much one engine instance varies between
         # its repeats, against how much instances vary between rounds.
         span = args.output_len - args.short_len
@@ -653,18 +659,24 @@ def main() -> None:
 
 
 def print_medians(rows: list[dict]) -> None:
-    """Per (heads, kv, backend, batch): the median decode step over rounds, and its range."""
+    """Per (heads, kv, backend, batch): the median decode step over rounds, its range, and
+    the most GPU memory in use after a round's timed runs (``gpu_mem_mib``, in GiB)."""
     steps: dict[tuple, list[float]] = {}
+    memory: dict[tuple, list[int]] = {}
     for r in rows:
         if r.get("status") == "ok":
             key = (r["heads"], r["kv"], r["backend"], int(r["batch"]))
             steps.setdefault(key, []).append(float(r["step_ms"]))
+            if r.get("gpu_mem_mib"):
+                memory.setdefault(key, []).append(int(r["gpu_mem_mib"]))
     print(f"\n{'heads':>5} {'kv':>4} {'backend':>26} {'batch':>5} {'decode tok/s':>12} "
-          f"{'step ms (median)':>16} {'min-max':>13} {'rounds':>6}")
-    for (heads, kv, backend, batch), ms in steps.items():
+          f"{'step ms (median)':>16} {'min-max':>13} {'rounds':>6} {'GiB in use':>10}")
+    for key, ms in steps.items():
+        heads, kv, backend, batch = key
         mid = statistics.median(ms)
+        used = f"{max(memory[key]) / 1024:.1f}" if key in memory else "-"
         print(f"{heads:>5} {kv:>4} {backend:>26} {batch:>5} {batch / mid * 1e3:>12.0f} "
-              f"{mid:>16.3f} {min(ms):>6.2f}-{max(ms):<6.2f} {len(ms):>6}")
+              f"{mid:>16.3f} {min(ms):>6.2f}-{max(ms):<6.2f} {len(ms):>6} {used:>10}")
 
 
 if __name__ == "__main__":

@@ -33,16 +33,19 @@
 #                                                   # b32 (4096 rows) in the engine, the
 #                                                   # plugin against FlashMLA forced and
 #                                                   # against FLASH_ATTN_MLA
+#   bash benchmarks/declared_gpu_runs.sh memory OUT     # either card (addendum 19): h128
+#                                                   # b32, each engine alone at 0.9: does
+#                                                   # the plugin's fit where vLLM's do?
 #
 # Which phase decides what, and the readings fixed before any of them ran: the addenda.
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
 # on an H200, addendum 14's (pair40, band-kernel-b49), 15's (b40-fa3, b48-fa3) and 17's
-# (rows4096) and 18's (rows4096-engine) on an H100.
+# (rows4096) and 18's (rows4096-engine) on an H100; 19's (memory) on either.
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096, rows4096-engine}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096, rows4096-engine, memory}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -161,6 +164,13 @@ case "$phase" in
         --backends "TRTLLM_MLA,$baseline" >> "$out/$phase.log" 2>&1
     done
     grep -E "^\| 128" "$out/$phase.log"
+    ;;
+  memory)  # addendum 19, either card: each engine alone at vLLM's default utilization 0.9
+    timeout 560 python3 benchmarks/bench_engine.py --heads 128 --layers 24 --batches 32 \
+      --output-len 336 --short-len 16 --repeats 2 --no-warmup-engine --kv auto --rounds 1 \
+      --gpu-memory 0.9 --timeout 170 --backends TRTLLM_MLA,FLASH_ATTN_MLA,FLASHMLA \
+      --out "$out/m" > "$out/$phase.log" 2>&1
+    grep -E "round 0|GiB|^ +128" "$out/$phase.log"
     ;;
   rows4096)  # addendum 17, on an H100: batches of <= 32 requests at 3073-4096 query rows
     timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/rows4096.csv" --rounds 3 \

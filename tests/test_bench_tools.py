@@ -364,6 +364,7 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path, gpu
     monkeypatch.setattr(bench_engine, "attention_layer_us", lambda *a, **k: ("flashmla", 10.0))
     monkeypatch.setattr(gpu_clocks, "ClockSampler", _FixedClocks)
     monkeypatch.setattr(_FixedClocks, "regions", 0)
+    monkeypatch.setattr(bench_engine, "gpu_memory_used_mib", lambda: [61_440, 512])
 
     def stop(code):
         raise SystemExit(code)
@@ -391,6 +392,8 @@ def test_paired_worker_times_both_engines_alternately(monkeypatch, tmp_path, gpu
     assert _FixedClocks.regions == 4
     assert [(r["sm_mhz"], r["power_w"], r["power_capped"]) for r in rows] == [
         ("1868", "675", "0.50"), ("1868", "675", "0.50")]
+    # The memory in use after the timed runs: the fullest GPU's, both engines together.
+    assert [r["gpu_mem_mib"] for r in rows] == ["61440", "61440"]
 
 
 class _FixedClocks(gpu_clocks.ClockSampler):
@@ -407,6 +410,25 @@ class _FixedClocks(gpu_clocks.ClockSampler):
 
     def __exit__(self, *exc):
         return None
+
+
+def test_engine_table_shows_each_engines_most_memory_in_use(capsys):
+    """``print_medians``: the median step over rounds and the most memory any round held;
+    rows from before the column (no ``gpu_mem_mib``) print ``-``."""
+    rows = [dict(status="ok", heads=128, kv="auto", backend="TRTLLM_MLA", batch="32",
+                 step_ms=ms, gpu_mem_mib=mib)
+            for ms, mib in (("4.0", "70000"), ("5.0", "73728"), ("6.0", ""))]
+    rows.append(dict(status="ok", heads=128, kv="auto", backend="FLASHMLA", batch="32",
+                     step_ms="8.0"))
+    rows.append(dict(status="failed (1): out of memory", heads=128, kv="auto",
+                     backend="FLASH_ATTN_MLA"))
+    bench_engine.print_medians(rows)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[-3:] == ["GiB", "in", "use"]
+    assert lines[1].split() == ["128", "auto", "TRTLLM_MLA", "32", "6400", "5.000",
+                                "4.00-6.00", "3", "72.0"]
+    assert lines[2].split()[-2:] == ["1", "-"]
+    assert len(lines) == 3
 
 
 def test_next_engine_waits_for_the_gpu_memory_of_the_last():

@@ -55,8 +55,9 @@ echo "$gpu" > "$out/gpu.txt"
 decode_bench=(python3 benchmarks/bench_decode.py --graph-only --query-parts --kv bf16
               --no-grid --no-prewarm --random-count 400 --random-request-rows 8-16
               --random-batches 33-1024 --rounds 3)
-engine_pair=(python3 benchmarks/bench_engine.py --heads 16 --output-len 336 --short-len 16
-             --repeats 2 --no-warmup-engine --paired --kv auto --rounds 3)
+engine_run=(python3 benchmarks/bench_engine.py --output-len 336 --short-len 16 --repeats 2
+            --no-warmup-engine --kv auto)
+engine_pair=("${engine_run[@]}" --heads 16 --paired --rounds 3)
 # Engine results are kept on the machine (TRTLLM_MLA_ENGINE_CACHE), so a second call on the
 # same warm machine goes on from where the first one's time limit cut it, without starting a
 # finished engine again.
@@ -166,8 +167,7 @@ case "$phase" in
     grep -E "^\| 128" "$out/$phase.log"
     ;;
   memory)  # addendum 19, either card: each engine alone at vLLM's default utilization 0.9
-    timeout 560 python3 benchmarks/bench_engine.py --heads 128 --layers 24 --batches 32 \
-      --output-len 336 --short-len 16 --repeats 2 --no-warmup-engine --kv auto --rounds 1 \
+    timeout 560 "${engine_run[@]}" --heads 128 --layers 24 --batches 32 --rounds 1 \
       --gpu-memory 0.9 --timeout 170 --backends TRTLLM_MLA,FLASH_ATTN_MLA,FLASHMLA \
       --out "$out/m" > "$out/$phase.log" 2>&1
     grep -E "round 0|GiB|^ +128" "$out/$phase.log"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-18) and the
+# The GPU runs declared in docs/bench-2026-12-05/run228-criteria.txt (addenda 9-20) and the
 # engine cases left on today's code, one phase per device call (each under its 10-minute
 # limit); which have run, and which are next, is in docs/gpu-validation.md. Run from the
 # repository root on the GPU machine after the kit's calls (../shared/device/
@@ -13,6 +13,7 @@
 #   bash benchmarks/declared_gpu_runs.sh pair48 OUT # band engine pair, b48, 61 layers,
 #                                                   # the FA3 route's plan on the GPU
 #   bash benchmarks/declared_gpu_runs.sh pair80 OUT # the same at b80
+#   bash benchmarks/declared_gpu_runs.sh pair64 OUT # H200 (addendum 20): the same at b64
 #   bash benchmarks/declared_gpu_runs.sh band-kernel OUT  # 8-16-row shapes at 33-96
 #                                                   # requests: the decoder and FA3 forced
 #   bash benchmarks/declared_gpu_runs.sh pair40 OUT # H100 (addendum 14): the pair at b40
@@ -29,7 +30,8 @@
 #   bash benchmarks/declared_gpu_runs.sh rows4096 OUT  # H100 (addendum 17): FA3 and
 #                                                   # FlashMLA at 3073-4096 query rows,
 #                                                   # then the GPU test of a rows bound
-#   bash benchmarks/declared_gpu_runs.sh rows4096-engine OUT  # H100 (addendum 18): h128
+#   bash benchmarks/declared_gpu_runs.sh rows4096-engine OUT  # addenda 18 (H100) and 20
+#                                                   # (H200): h128
 #                                                   # b32 (4096 rows) in the engine, the
 #                                                   # plugin against FlashMLA forced and
 #                                                   # against FLASH_ATTN_MLA
@@ -41,11 +43,12 @@
 # engine-fa3 and the pairs (addenda 13-14) turn the FA3 route's GPU plan on in every
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
 # on an H200, addendum 14's (pair40, band-kernel-b49), 15's (b40-fa3, b48-fa3) and 17's
-# (rows4096) and 18's (rows4096-engine) on an H100; 19's (memory) on either.
+# (rows4096) and 18's (rows4096-engine) on an H100; 19's (memory) on either; 20's (tests,
+# pair64, rows4096-engine, engine) on an H200.
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096, rows4096-engine, memory}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096, rows4096-engine, memory}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -75,7 +78,7 @@ case "$phase" in
     tail -8 "$out/pytest-splitk.log"
     timeout 240 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py \
       tests/gpu/test_plan_host_gpu.py \
-      -k "balanced or length_order or planner or plan_host or raised_splitk_bound or raised_for_this_gpu or own_band_bound or own_rows_bound" \
+      -k "balanced or length_order or planner or plan_host or raised_splitk_bound or raised_for_this_gpu or own_band_bound or rows_bound_replays or batch_size_route" \
       > "$out/pytest-plan.log" 2>&1
     tail -8 "$out/pytest-plan.log"
     ;;
@@ -105,12 +108,16 @@ case "$phase" in
       > "$out/engine-fa3.log" 2>&1
     tail -8 "$out/engine-fa3.log"
     ;;
-  pair40 | pair48 | pair80)  # addenda 13-14: runs 247 and 251's command, the GPU plan on
+  pair40 | pair48 | pair64 | pair80)  # addenda 13, 14, 20: runs 247 and 251's command, the
+    # FA3 route's plan on the GPU
     export TRTLLM_MLA_FA3_DEVICE_PLAN=1
     echo "TRTLLM_MLA_FA3_DEVICE_PLAN=1" > "$out/$phase.log"
+    # FA3 (planned on the GPU) over cuda-splitk; at b64 the H200's shipped bound (65) already
+    # gives the plugin FA3, so the other engine has cuda-splitk forced
+    pair=TRTLLM_MLA@vllm-fa3-mla,TRTLLM_MLA
+    [ "$phase" = pair64 ] && pair=TRTLLM_MLA,TRTLLM_MLA@cuda-splitk
     timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 61 --timeout 400 \
-      --batches "${phase#pair}" --backends TRTLLM_MLA@vllm-fa3-mla,TRTLLM_MLA \
-      >> "$out/$phase.log" 2>&1
+      --batches "${phase#pair}" --backends "$pair" >> "$out/$phase.log" 2>&1
     tail -20 "$out/$phase.log"
     ;;
   band-kernel)  # addendum 13: whether 8-row batches move with the 16-row band
@@ -155,7 +162,7 @@ case "$phase" in
   engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)
     engine_cases "not tensor_parallel"
     ;;
-  rows4096-engine)  # addendum 18, on an H100: the rows bound 4096 in the engine
+  rows4096-engine)  # addenda 18 (H100) and 20 (H200): the rows bound 4096 in the engine
     # Two plugin engines in one process ran out of memory at 0.45 each on an H100 (run 319:
     # vLLM's chunked-context prefill asked 4 GiB past the profiled budget); 0.35 ran (321).
     for pair in TRTLLM_MLA@flashmla:0.35 FLASH_ATTN_MLA:0.45; do

@@ -858,14 +858,19 @@ def test_switch_scores_the_eager_rules_pick_among_the_graph_routes(tmp_path):
         assert ratio == pytest.approx(peer[shape] / (us[shape, name] + 1.0))
 
 
-def test_graph_bounds_search_replays_each_bound_and_restores_the_policy(tmp_path):
+def test_graph_bounds_search_replays_each_bound_and_restores_the_policy(tmp_path,
+                                                                         monkeypatch):
     """``evaluate_policy --search-graph-bounds``: each bound combination replays the
     CUDA-graph rule (b40 goes to vLLM's FA3 kernel only under a batch bound of >= 40, b200
     only under >= 256), the best fit comes first, the check files are scored under the same
-    bounds, and ``ops.policy``'s bounds are today's again afterwards."""
+    bounds, and ``ops.policy``'s bounds are today's again afterwards. The H200's own band
+    bound (65), which the grid does not vary, would send b40 to FA3 under every bound: the
+    search is checked without it."""
     import evaluate_policy
 
     from trtllm_mla_plugin.ops import policy
+
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_BANDS_BY_GPU", {})
 
     head = "pass_no,shape,heads,batch,q_len,block,kv,kernel,status,us\n"
 

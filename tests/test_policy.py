@@ -86,23 +86,25 @@ CASES = [
     (128, shape(128, 8 * K, 4 * K), "flashmla"),
     (128, shape(256, 4 * K, 2 * K), "flashmla"),
     (128, shape(64, 32 * K), "flashmla"),
-    (128, BatchShape(32, 1), "flashmla"),  # lengths unknown (CUDA graphs): FlashMLA
+    (128, BatchShape(11, 3), "flashmla"),  # lengths unknown (CUDA graphs): FlashMLA
     (16, BatchShape(257, 1), "flashmla"),  # ... and 16 rows (cuda-splitk's, absent here)
     (128, BatchShape(1025, 2), "flashmla"),  # ... above 1024 requests
     (128, BatchShape(1024, 2), "vllm-fa3-mla"),  # 33-1024 requests: vLLM's FA3, longest
     (64, BatchShape(700, 1), "vllm-fa3-mla"),  # first (the query join, forty-third session)
-    (16, BatchShape(64, 1), "flashmla"),  # 8-16 rows: behind cuda-splitk (absent here)
-    (16, BatchShape(33, 1), "flashmla"),
+    (16, BatchShape(65, 1), "flashmla"),  # 9-16 rows from the H200's band bound (65):
+    (16, BatchShape(64, 1), "vllm-fa3-mla"),  # behind cuda-splitk (absent here); below it
+    (16, BatchShape(33, 1), "vllm-fa3-mla"),  # vLLM's FA3, longest first
     (32, BatchShape(64, 1), "vllm-fa3-mla"),  # 33-256 requests: vLLM's FA3, longest first
     (64, BatchShape(33, 1), "vllm-fa3-mla"),
     (128, BatchShape(256, 4), "vllm-fa3-mla"),
-    (64, BatchShape(25, 2), "flashmla"),  # ... not 25-32 beyond 3072 rows (below)
+    (64, BatchShape(32, 3), "flashmla"),  # ... not <= 32 beyond 4096 rows (below)
     (16, BatchShape(1, 1), "vllm-fa3-mla"),  # ... but vLLM's FA3 for batches of <= 32
     (16, BatchShape(32, 1), "vllm-fa3-mla"),
     (128, BatchShape(16, 1), "vllm-fa3-mla"),
     (16, BatchShape(8, 3), "vllm-fa3-mla"),  # several query tokens: vLLM's FA3 too ...
-    (128, BatchShape(7, 4), "flashmla"),  # ... up to 3072 query rows (7 x 128 x 4 = 3584)
-    (128, BatchShape(24, 1), "vllm-fa3-mla"),  # 24 x 128 = 3072
+    (128, BatchShape(9, 4), "flashmla"),  # ... up to 4096 query rows (9 x 128 x 4 = 4608)
+    (128, BatchShape(8, 4), "vllm-fa3-mla"),  # 8 x 128 x 4 = 4096
+    (128, BatchShape(32, 1), "vllm-fa3-mla"),  # 32 x 128 = 4096 (runs 314 and 329)
     (8, BatchShape(452, 1), "vllm-fa3-mla"),  # 8 query rows per request: any batch size
     (8, BatchShape(33, 3), "flashmla"),  # ... with one query token (24 rows: FlashMLA)
     (32, BatchShape(45, 3), "flashmla"),  # 96 rows, two tiles, one half full: FlashMLA ...
@@ -143,13 +145,15 @@ SPLITK_CASES = [
     (16, 64, BatchShape(1024, 1), "cuda-splitk"),
     (16, 64, BatchShape(1025, 1), "flashmla"),  # beyond the kernel's batch
     (16, 64, BatchShape(95, 1), "cuda-splitk"),  # from 33 on (runs 131-132)
-    (16, 64, BatchShape(33, 1), "cuda-splitk"),
+    (16, 64, BatchShape(65, 1), "cuda-splitk"),  # the H200's band bound (runs 326-328)
+    (16, 64, BatchShape(64, 1), "vllm-fa3-mla"),  # below it: FA3 longest first, GPU plan
+    (16, 64, BatchShape(33, 1), "vllm-fa3-mla"),
     (16, 64, BatchShape(32, 1), "vllm-fa3-mla"),
     (8, 64, BatchShape(128, 2), "cuda-splitk"),  # 8 heads x 2 tokens = 16 rows
-    (8, 64, BatchShape(33, 2), "cuda-splitk"),
+    (8, 64, BatchShape(33, 2), "vllm-fa3-mla"),
     (16, 32, BatchShape(64, 1), "vllm-fa3-mla"),  # 32-token pages: FA3, longest first
     (8, 64, BatchShape(128, 1), "cuda-splitk"),  # 8 rows under graphs: from 33 (runs 141-142)
-    (8, 64, BatchShape(33, 1), "cuda-splitk"),
+    (8, 64, BatchShape(33, 1), "cuda-splitk"),  # the H200's entry leaves 8 rows at 33
     (8, 64, BatchShape(1024, 1), "cuda-splitk"),
     (8, 64, BatchShape(32, 1), "vllm-fa3-mla"),
     (8, 64, BatchShape(1025, 1), "vllm-fa3-mla"),  # beyond the kernel: vLLM's FA3, as before
@@ -195,6 +199,7 @@ def test_band_below_a_raised_splitk_bound_goes_to_vllm_fa3(splitk_present, monke
     requests go to vLLM's FA3 kernel (longest first), from 97 on to ``cuda-splitk``; other
     specs keep their rule."""
     monkeypatch.setattr(policy, "SPLITK_GRAPH_MIN_BATCH", 97)
+    monkeypatch.setattr(policy, "SPLITK_GRAPH_BANDS_BY_GPU", {})
     for heads, q_len in ((16, 1), (8, 1), (8, 2)):
         s = spec(heads, q_len=q_len)
         for batch in (33, 48, 96):
@@ -225,58 +230,59 @@ def test_band_bound_is_read_per_gpu_by_name(splitk_present, monkeypatch):
     assert not policy.vllm_fa3_device_plan(spec(16), 32, h100.name)  # host plan below 33
 
 
-def test_h100s_band_bound_is_49_for_9_to_16_rows(splitk_present):
-    """The H100's entry as addendum 14 read runs 291-292: under CUDA graphs its 9-16-row
-    batches of 33-48 requests run vLLM's FA3 kernel longest first, planned on the GPU, and
-    ``cuda-splitk`` from 49; its 8-row batches keep ``cuda-splitk`` from 33; the H200 (no
-    entry) keeps ``cuda-splitk`` from 33 at any rows."""
-    h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
-    assert policy.SPLITK_GRAPH_BANDS_BY_GPU["H100"] == policy.BandBound(49, fewest_request_rows=9)
+@pytest.mark.parametrize(("gpu_name", "bound"), [
+    ("NVIDIA H100 80GB HBM3", 49),  # addendum 14: runs 291-292
+    ("NVIDIA H200", 65),  # addendum 13: runs 326-328
+])
+def test_shipped_band_bounds_move_9_to_16_rows_only(splitk_present, gpu_name, bound):
+    """Each card's entry as its addendum read it: under CUDA graphs its 9-16-row batches
+    from 33 requests up to its bound run vLLM's FA3 kernel longest first, planned on the
+    GPU, and ``cuda-splitk`` from the bound on; its 8-row batches keep ``cuda-splitk`` from
+    33; a Hopper card without an entry keeps ``cuda-splitk`` from 33 at any rows."""
+    gpu = Platform("cuda", (9, 0), gpu_name)
+    other = Platform("cuda", (9, 0), "NVIDIA H800")
+    assert policy.band_bound(gpu.name) == policy.BandBound(bound, fewest_request_rows=9)
+    assert policy.band_bound(other.name) is None
     assert policy.SPLITK_GRAPH_MIN_BATCH == 33
-    assert policy.band_bound(H200.name) is None
     for heads, q_len in ((16, 1), (8, 2)):
         s = spec(heads, q_len=q_len)
-        assert policy.splitk_graph_min_batch(s, h100.name) == 49
-        for batch in (33, 40, 48):
-            assert choose_route(s, h100, shape=BatchShape(batch, q_len)).name == "vllm-fa3-mla"
-            assert policy.vllm_fa3_device_plan(s, batch, h100.name)
-            assert choose_route(s, H200, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
-            assert not policy.vllm_fa3_device_plan(s, batch, H200.name)
-        for batch in (49, 64, 1024):
-            assert choose_route(s, h100, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
-            assert not policy.vllm_fa3_device_plan(s, batch, h100.name)
+        assert policy.splitk_graph_min_batch(s, gpu.name) == bound
+        for batch in (33, 40, bound - 1):
+            assert choose_route(s, gpu, shape=BatchShape(batch, q_len)).name == "vllm-fa3-mla"
+            assert policy.vllm_fa3_device_plan(s, batch, gpu.name)
+            assert choose_route(s, other, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
+            assert not policy.vllm_fa3_device_plan(s, batch, other.name)
+        for batch in (bound, 96, 1024):
+            assert choose_route(s, gpu, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
+            assert not policy.vllm_fa3_device_plan(s, batch, gpu.name)
     eight = spec(8)
-    assert policy.splitk_graph_min_batch(eight, h100.name) == 33
-    for batch in (33, 48, 64):
-        assert choose_route(eight, h100, shape=BatchShape(batch, 1)).name == "cuda-splitk"
-        assert not policy.vllm_fa3_device_plan(eight, batch, h100.name)
+    assert policy.splitk_graph_min_batch(eight, gpu.name) == 33
+    for batch in (33, 48, bound):
+        assert choose_route(eight, gpu, shape=BatchShape(batch, 1)).name == "cuda-splitk"
+        assert not policy.vllm_fa3_device_plan(eight, batch, gpu.name)
 
 
 def test_rows_bound_is_read_per_gpu_by_name(kernels_present, monkeypatch):
-    """An entry in ``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` moves the CUDA-graph rule's rows bound
-    (batches of at most 32 requests) on the GPUs whose name contains its key: 128 heads at
-    one token and 32 requests (4096 rows) run vLLM's FA3 kernel there and FlashMLA
-    elsewhere; past the entry's bound FlashMLA everywhere. As shipped: the H100's 4096 (run
-    314), 3072 on the others."""
+    """The CUDA-graph rule's rows bound (batches of at most 32 requests) is 4096 on every
+    card as shipped (runs 314 and 329 read it on the H100 and the H200): 128 heads at one
+    token and 32 requests (4096 rows) run vLLM's FA3 kernel, past it FlashMLA. An entry in
+    ``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` moves it on the GPUs whose name contains its key."""
     h100 = Platform("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
-    assert policy.VLLM_FA3_GRAPH_MAX_ROWS == 3072
-    assert policy.vllm_fa3_graph_max_rows(h100.name) == 4096
+    assert policy.VLLM_FA3_GRAPH_MAX_ROWS == 4096
+    assert policy.VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU == {}
+    for gpu in (h100, H200):
+        assert policy.vllm_fa3_graph_max_rows(gpu.name) == 4096
+        assert choose_route(spec(128), gpu, shape=BatchShape(32, 1)).name == "vllm-fa3-mla"
+        assert choose_route(spec(128), gpu, shape=BatchShape(8, 4)).name == "vllm-fa3-mla"
+        # 4224 rows (11 requests of 3 tokens at 128 heads): past the bound
+        assert choose_route(spec(128), gpu, shape=BatchShape(11, 3)).name == "flashmla"
+        # 33 requests: the request bound, not the rows bound, decides (FA3 longest first)
+        assert choose_route(spec(128), gpu, shape=BatchShape(33, 1)).name == "vllm-fa3-mla"
+    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {"H200": 3072})
     assert policy.vllm_fa3_graph_max_rows(H200.name) == 3072
     assert choose_route(spec(128), h100, shape=BatchShape(32, 1)).name == "vllm-fa3-mla"
     assert choose_route(spec(128), H200, shape=BatchShape(32, 1)).name == "flashmla"
-    assert choose_route(spec(128), h100, shape=BatchShape(8, 4)).name == "vllm-fa3-mla"
-    # 4224 rows (11 requests of 3 tokens at 128 heads): past the entry's bound
-    assert choose_route(spec(128), h100, shape=BatchShape(11, 3)).name == "flashmla"
-    # 33 requests: the request bound, not the rows bound, decides (FA3 longest first)
-    assert (choose_route(spec(128), h100, shape=BatchShape(33, 1)).name
-            == choose_route(spec(128), H200, shape=BatchShape(33, 1)).name == "vllm-fa3-mla")
-    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {})
-    for gpu in (h100, H200):
-        assert policy.vllm_fa3_graph_max_rows(gpu.name) == 3072
-        assert choose_route(spec(128), gpu, shape=BatchShape(32, 1)).name == "flashmla"
-    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {"H200": 4096})
-    assert choose_route(spec(128), h100, shape=BatchShape(32, 1)).name == "flashmla"
-    assert choose_route(spec(128), H200, shape=BatchShape(32, 1)).name == "vllm-fa3-mla"
+    assert choose_route(spec(128), H200, shape=BatchShape(24, 1)).name == "vllm-fa3-mla"
 
 
 def test_band_bound_can_leave_the_8_row_batches_on_splitk(splitk_present, monkeypatch):
@@ -469,29 +475,32 @@ def test_decoder_sorts_large_ragged_batches(kernels_present, monkeypatch):
 def test_cuda_graph_decoder_picks_by_batch_size_only(kernels_present, monkeypatch):
     """Under CUDA graphs the route depends on the batch size alone, whatever the lengths:
     FlashInfer FA3's per-step plan is 1-2 ms of host Python (run 17), the others' a kernel
-    launch. With 128 heads the rows bound (3072 = 24 requests) binds: vLLM's FA3 MLA kernel
-    up to 24 requests, FlashMLA for 25-32, vLLM's FA3 again (longest first) for 33-1024,
-    FlashMLA above. FA3 stays behind them for specs they cannot serve."""
+    launch. With 128 heads at one token the rows bound (4096 = 32 requests) meets the
+    request bound: vLLM's FA3 MLA kernel up to 32 requests, again (longest first) for
+    33-1024, FlashMLA above. FA3 stays behind them for specs they cannot serve."""
     dec, stubs = stub_decoder(monkeypatch, heads=128, cuda_graph=True, max_batch=1100)
     for lens in ([8 * K] * 1100, [8 * K, 2 * K] * 150, [32 * K] * 128, [1] * 128,
                  [8 * K] * 32, [8 * K, 2 * K] * 16, [32 * K] * 33, [1] * 1, [8 * K] * 25,
                  [8 * K] * 24, [32 * K] * 16, [1] * 1025):
         dec.plan(batch(lens))
         b = len(lens)
-        assert dec.route.name == ("vllm-fa3-mla" if b <= 24 or 33 <= b <= 1024
-                                  else "flashmla"), b
-    assert [b for b, _ in stubs["flashmla"].plans] == [1100, 32, 32, 25, 1025]
-    assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [300, 128, 128, 33, 1, 24, 16]
+        assert dec.route.name == ("vllm-fa3-mla" if b <= 1024 else "flashmla"), b
+    assert [b for b, _ in stubs["flashmla"].plans] == [1100, 1025]
+    assert [b for b, _ in stubs["vllm-fa3-mla"].plans] == [300, 128, 128, 32, 32, 33, 1, 25,
+                                                          24, 16]
     assert "flashinfer-fa3" not in stubs  # never built: no batch size would run it
 
 
-def test_cuda_graph_decoder_keeps_vllm_kernel_up_to_32_requests(kernels_present, monkeypatch):
-    """16 heads (DeepSeek-V3 at TP8), one token: vLLM's FA3 MLA kernel up to 32 requests
-    (run 42: FLASH_ATTN_MLA decoded 1.07x the plugin's FlashMLA tokens/s at b32), FlashMLA
-    from 33 on, whatever the lengths."""
+def test_cuda_graph_decoder_keeps_vllm_kernel_below_the_band_bound(kernels_present,
+                                                                    monkeypatch):
+    """16 heads (DeepSeek-V3 at TP8), one token, an H200: vLLM's FA3 MLA kernel up to 32
+    requests (run 42: FLASH_ATTN_MLA decoded 1.07x the plugin's FlashMLA tokens/s at b32)
+    and, longest first, up to its band bound (65, runs 326-328); FlashMLA from 65 on where
+    cuda-splitk is absent, whatever the lengths."""
     dec, _ = stub_decoder(monkeypatch, heads=16, cuda_graph=True)
     for lens, route in (([8 * K] * 32, "vllm-fa3-mla"), ([300] * 17, "vllm-fa3-mla"),
-                        ([300] * 33, "flashmla"), ([8 * K, 2 * K] * 64, "flashmla")):
+                        ([300] * 33, "vllm-fa3-mla"), ([8 * K, 2 * K] * 32, "vllm-fa3-mla"),
+                        ([300] * 65, "flashmla"), ([8 * K, 2 * K] * 64, "flashmla")):
         dec.plan(batch(lens))
         assert dec.route.name == route, len(lens)
 
@@ -500,10 +509,12 @@ def test_cuda_graph_decoder_keeps_vllm_kernel_up_to_32_requests(kernels_present,
     (16, 1, 512, False, "flashinfer-fa3+flashmla+vllm-fa3-mla"),   # eager: lengths decide
     (16, 1, 512, True, "vllm-fa3-mla+flashmla"),
     (16, 1, 32, True, "vllm-fa3-mla"),        # no captured size above the FA3 bound
-    (16, 1, 33, True, "vllm-fa3-mla+flashmla"),
+    (16, 1, 64, True, "vllm-fa3-mla"),        # the H200's band: FA3 up to 64 requests
+    (16, 1, 65, True, "vllm-fa3-mla+flashmla"),
     (8, 1, 512, True, "vllm-fa3-mla"),        # 8 query rows per request: FA3 at any size
     (8, 2, 512, True, "vllm-fa3-mla+flashmla"),  # q_len 2 makes 16 rows per request
-    (128, 1, 512, True, "vllm-fa3-mla+flashmla"),
+    (128, 1, 512, True, "vllm-fa3-mla"),      # 32 x 128 = 4096 rows: FA3 up to 1024
+    (128, 2, 512, True, "vllm-fa3-mla+flashmla"),  # 17-32 requests of 256 rows: FlashMLA
 ])
 def test_decoder_builds_only_the_routes_its_batches_can_reach(
         kernels_present, monkeypatch, heads, q_len, max_batch, cuda_graph, built):
@@ -527,14 +538,15 @@ def test_decoder_builds_only_the_routes_its_batches_can_reach(
 
 def test_graph_decoder_with_nvcc_builds_the_split_kv_kernel_above_the_fa3_bound(
         splitk_present, monkeypatch):
-    """16 heads, one token, CUDA graphs, nvcc present: vLLM's FA3 MLA kernel up to 32
-    requests, the plugin's split-KV kernel from 33 on; FlashMLA is not built (no batch size
-    of up to 512 would run it)."""
+    """16 heads, one token, CUDA graphs, nvcc present, an H200: vLLM's FA3 MLA kernel up to
+    64 requests (longest first from 33, its band bound 65), the plugin's split-KV kernel
+    from 65 on; FlashMLA is not built (no batch size of up to 512 would run it)."""
     dec, stubs = stub_decoder(monkeypatch, heads=16, cuda_graph=True)
     assert dec.route_name == "vllm-fa3-mla+cuda-splitk"
     assert set(stubs) == {"vllm-fa3-mla", "cuda-splitk"}
-    for b, route in ((1, "vllm-fa3-mla"), (32, "vllm-fa3-mla"), (33, "cuda-splitk"),
-                     (95, "cuda-splitk"), (96, "cuda-splitk"), (512, "cuda-splitk")):
+    for b, route in ((1, "vllm-fa3-mla"), (32, "vllm-fa3-mla"), (33, "vllm-fa3-mla"),
+                     (64, "vllm-fa3-mla"), (65, "cuda-splitk"), (96, "cuda-splitk"),
+                     (512, "cuda-splitk")):
         dec.plan(batch([300] * b))
         assert dec.route.name == route, b
 
@@ -561,22 +573,23 @@ def test_split_kv_kernel_that_fails_to_build_leaves_its_batches_to_flashmla(
     assert dec.route_name == "vllm-fa3-mla+flashmla" and "cuda-splitk" not in stubs
     assert "cuda-splitk" in caplog.text and "nvcc failed to compile" in caplog.text
     assert "next route of their ranking" in caplog.text
-    for b, route in ((32, "vllm-fa3-mla"), (33, "flashmla"), (128, "flashmla")):
+    for b, route in ((32, "vllm-fa3-mla"), (64, "vllm-fa3-mla"), (65, "flashmla"),
+                     (128, "flashmla")):
         dec.plan(batch([300] * b))
         assert dec.route.name == route, b
 
 
 @pytest.mark.parametrize(("heads", "q_len", "largest_fa3_batch"), [
-    (128, 4, 6),    # 6 x 128 x 4 = 3072 query rows; b7 (3584 rows) goes to FlashMLA
-    (128, 2, 12),
-    (64, 2, 24),    # 24 x 64 x 2 = 3072
+    (128, 4, 8),    # 8 x 128 x 4 = 4096 query rows; b9 (4608 rows) goes to FlashMLA
+    (128, 2, 16),
+    (64, 2, 32),    # 32 x 64 x 2 = 4096: the request bound and the rows bound meet
     (16, 4, 32),    # the request bound: 32 requests, 32 x 16 x 4 = 2048 rows
     (8, 2, 32),     # the request bound binds first (32 x 8 x 2 = 512 rows)
-    (32, 3, 32),    # 32 x 96 = 3072 rows; 33-256 requests of 96 rows stay on FlashMLA
+    (32, 3, 32),    # 32 x 96 = 3072 rows; 33-1024 requests of 96 rows stay on FlashMLA
     (8, 4, 32),     # 32 rows a request: FA3 up to 1024 requests
     (32, 1, 32),
     (16, 3, 32),    # 48 rows: FA3 up to 1024 requests
-    (128, 3, 8),    # 384 rows: 8 x 384 = 3072; FA3 again for 33-1024 requests
+    (128, 3, 10),   # 384 rows: 10 x 384 = 3840; FA3 again for 33-1024 requests
 ])
 def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, heads, q_len,
                                                   largest_fa3_batch):
@@ -598,7 +611,9 @@ def test_cuda_graph_rule_for_several_query_tokens(kernels_present, monkeypatch, 
         ordered = (33 <= b <= 1024
                    and rows > policy.SPLITK_MAX_REQUEST_ROWS
                    and not (rows > 64 and rows % 64))
-        expected = "vllm-fa3-mla" if b <= largest_fa3_batch or ordered else "flashmla"
+        band = 9 <= rows <= 16 and 33 <= b <= 64  # below the H200's band bound, 65
+        expected = ("vllm-fa3-mla" if b <= largest_fa3_batch or ordered or band
+                    else "flashmla")
         assert dec.route.name == expected, b
 
 

@@ -98,13 +98,16 @@ def test_graph_replay_after_replan(route: str, schedule: tuple, persistent: bool
         assert rel < rel_bound and worst < max_bound, (rel, worst)
 
 
-# (heads, batch, the route the SM90 CUDA-graph rule runs): 8 heads at one token (Kimi-K2 at
-# TP8, DeepSeek-V3 at TP16) and 16 heads take vLLM's FA3 MLA up to 32 requests and the
-# plugin's CUDA split-KV kernel for 33-1024 where nvcc builds it; 32 heads FlashMLA from 33
-# on (docs/benchmarks.md; tests/test_policy.py checks this table against the rule).
+# (heads, batch, the route the SM90 CUDA-graph rule runs on an H100 and an H200 alike): 8
+# heads at one token (Kimi-K2 at TP8, DeepSeek-V3 at TP16) take vLLM's FA3 MLA up to 32
+# requests and the plugin's CUDA split-KV kernel for 33-1024 where nvcc builds it; 16 heads
+# vLLM's FA3 MLA up to the card's band bound (49 on the H100, 65 on the H200: longest
+# first from 33) and the split-KV kernel from it; 32 heads vLLM's FA3 MLA, longest first
+# from 33 on (docs/benchmarks.md; tests/test_policy.py checks this table against the
+# H200's rule).
 POLICY_CASES = [(8, 12, "vllm-fa3-mla"), (8, 40, "cuda-splitk"), (8, 160, "cuda-splitk"),
-                (16, 12, "vllm-fa3-mla"), (16, 40, "cuda-splitk"), (16, 128, "cuda-splitk"),
-                (32, 40, "vllm-fa3-mla")]
+                (16, 12, "vllm-fa3-mla"), (16, 40, "vllm-fa3-mla"), (16, 80, "cuda-splitk"),
+                (16, 128, "cuda-splitk"), (32, 40, "vllm-fa3-mla")]
 
 
 @pytest.mark.parametrize("heads,batch,route", POLICY_CASES,
@@ -151,36 +154,25 @@ def test_band_bound_raised_for_this_gpu_by_name_replays_on_fa3_with_the_gpu_plan
     assert decoder.route._device_plan(48)
 
 
-def test_rows_bound_raised_for_this_gpu_replays_on_fa3(monkeypatch) -> None:
-    """A rows bound of 4096 for this GPU alone (``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` keyed by
-    its name, addendum 17's candidate): 128 heads at one token and 32 requests (4096 query
-    rows) run ``vllm-fa3-mla``, and ``flashmla`` without the entry; each replayed after
+def test_rows_bound_replays_on_each_side(monkeypatch) -> None:
+    """The shipped rows bound (``VLLM_FA3_GRAPH_MAX_ROWS``, 4096 since both Hopper cards read
+    it, runs 314 and 329): 128 heads at one token and 32 requests (4096 query rows) run
+    ``vllm-fa3-mla``; with an entry of 3072 for this GPU alone
+    (``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` keyed by its name) ``flashmla``; each replayed after
     re-planning against float64."""
-    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {})
-    replay_policy_decoder(128, 32, "flashmla")
     name = torch.cuda.get_device_name()
-    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {name: 4096})
+    assert policy.vllm_fa3_graph_max_rows(name) >= 128 * 32, "no 4096-row bound for this GPU"
     replay_policy_decoder(128, 32, "vllm-fa3-mla")
-
-
-def test_this_gpus_own_rows_bound_replays_on_fa3() -> None:
-    """This GPU's entry in ``VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU`` as shipped (the H100's 4096,
-    run 314): 128 heads at one token and as many requests as the bound holds (32 for 4096)
-    run ``vllm-fa3-mla``, replayed after re-planning against float64."""
-    name = torch.cuda.get_device_name()
-    rows = policy.gpu_entry(policy.VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU, name)
-    if rows is None:
-        pytest.skip(f"no rows bound of its own for {name}")
-    batch = min(policy.VLLM_FA3_GRAPH_MAX_BATCH, rows // 128)
-    assert batch * 128 > policy.VLLM_FA3_GRAPH_MAX_ROWS, "the entry moves no 128-head batch"
-    replay_policy_decoder(128, batch, "vllm-fa3-mla")
+    monkeypatch.setattr(policy, "VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU", {name: 3072})
+    replay_policy_decoder(128, 32, "flashmla")
 
 
 def test_this_gpus_own_band_bound_replays_on_each_side(monkeypatch) -> None:
-    """This GPU's entry in ``SPLITK_GRAPH_BANDS_BY_GPU`` as shipped (the H100's 49, 9-16
-    rows): a 16-row batch just below the bound runs ``vllm-fa3-mla`` planned on the GPU, one
-    at the bound ``cuda-splitk``, and an 8-row batch below it ``cuda-splitk`` where the
-    entry leaves 8 rows there; each replayed after re-planning against float64."""
+    """This GPU's entry in ``SPLITK_GRAPH_BANDS_BY_GPU`` as shipped (the H100's 49, the
+    H200's 65, each for 9-16 rows): a 16-row batch just below the bound runs
+    ``vllm-fa3-mla`` planned on the GPU, one at the bound ``cuda-splitk``, and an 8-row
+    batch below it ``cuda-splitk`` where the entry leaves 8 rows there; each replayed after
+    re-planning against float64."""
     monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", False)
     name = torch.cuda.get_device_name()
     band = policy.band_bound(name)

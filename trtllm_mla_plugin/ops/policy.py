@@ -129,21 +129,20 @@ VLLM_FA3_GRAPH_MAX_BATCH = 32
 #: 1.053x, worst 0.785 at h32 b28 321 q3, 0.88-1.02x from 12k tokens on; 0.984 -> 1.026 of
 #: the faster of vLLM's calls, shapes under 0.95 13 -> 4). On an H100 (run 313, addendum 16:
 #: 84 fresh shapes of 3073-16384 rows at <= 32 requests) no bound of 4096-16384 passed the
-#: declared reading: FA3 was faster at <= 2k tokens (27 of 28), FlashMLA from 10k (24 of 32);
-#: run 314 then read 4096 alone for the H100 (below).
-VLLM_FA3_GRAPH_MAX_ROWS = 3072
+#: declared reading: FA3 was faster at <= 2k tokens (27 of 28), FlashMLA from 10k (24 of 32).
+#: 4096 since the sixty-fifth session, read as addendum 17 of
+#: docs/bench-2026-12-05/run228-criteria.txt declared, on 73 fresh shapes of 3073-4096 rows
+#: at <= 32 requests per card, "FA3 up to X rows, FlashMLA past it" against the faster of
+#: vLLM's calls: H100 (run 314, seeds 728-735) 1.080 on geomean at 4096 (worst 0.889, 7
+#: under 0.95) against 0.959 at 3072 (0.681, 26); H200 (run 329, the same seeds) 1.080
+#: (0.912, 5) against 0.977 (0.707, 21). In the engine (addendum 18, h128 b32, 24 layers)
+#: the H100 decoded 1.119x the same engine with FlashMLA forced (run 321); the H200's engine
+#: pair is declared (addendum 20).
+VLLM_FA3_GRAPH_MAX_ROWS = 4096
 #: Each GPU's own rows bound in place of ``VLLM_FA3_GRAPH_MAX_ROWS``, for GPUs whose name
-#: contains a key (``gpu_entry``). H100 (80GB HBM3), read as addendum 17 of
-#: docs/bench-2026-12-05/run228-criteria.txt declared: on run 314's 73 fresh shapes of
-#: 3073-4096 rows at <= 32 requests (seeds 728-735) FA3 scored 1.080x the faster of vLLM's
-#: calls on geomean (worst 0.889, 7 under 0.95) and FlashMLA 0.959x (worst 0.681, 26 under
-#: 0.95); run 313's shapes in that range agreed (FA3 1.085x and 1.143x, FlashMLA 1.006x and
-#: 1.001x). In the engine (addendum 18, h128 b32, 24 layers) the H100 decoded 1.119x the
-#: same engine with FlashMLA forced (run 321). The H200 is not read yet (the same phase,
-#: after addendum 13's): it keeps 3072.
-#: Measured on the H100 SXM alone; the key also names the PCIe and NVL H100s, as
-#: ``SPLITK_GRAPH_BANDS_BY_GPU``'s does.
-VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU: dict[str, int] = {"H100": 4096}
+#: contains a key (``gpu_entry``): none, since both Hopper cards read 4096 (the H100's entry
+#: of 4096, 0278810, became the default when the H200 read the same).
+VLLM_FA3_GRAPH_MAX_ROWS_BY_GPU: dict[str, int] = {}
 #: Whatever the batch size, vLLM's FA3 MLA kernel also takes batches with at most this many
 #: query rows per request (heads x query tokens: Kimi-K2's 64 heads at TP8, DeepSeek-V3's
 #: 128 at TP16, one token each): the same kernel as vLLM's default, and the faster one on 14
@@ -303,7 +302,7 @@ SPLITK_MIN_BATCH = 48
 #: Batches of the band below this bound and from VLLM_FA3_LENGTH_ORDER_MIN_BATCH on go to
 #: vLLM's FA3 kernel longest first, planned on the GPU (``vllm_fa3_device_plan``): none
 #: while the two bounds are equal. A GPU can have its own (``SPLITK_GRAPH_BANDS_BY_GPU``:
-#: the H100's is 49).
+#: the H100's is 49, the H200's 65).
 SPLITK_GRAPH_MIN_BATCH = VLLM_FA3_GRAPH_MAX_BATCH + 1
 #: The kernel also takes (under CUDA graphs from SPLITK_GRAPH_MIN_BATCH requests on) batches
 #: of this many query rows per request (8 heads at one token: Kimi-K2 at TP8, DeepSeek-V3 at
@@ -385,12 +384,17 @@ class BandBound:
 #: 292) and b48 (1.014, 1.017; runs 284, 288) and lost from b56 on (0.996 at b56, 0.976 at
 #: b64, 0.974 at b80), so 49; its 8-row batches stay on ``cuda-splitk``: at 49 the kernels
 #: alone scored them 1.035 on geomean against 1.021 at 33, but worst 0.839, under the
-#: addendum's 0.90 (run 291, seeds 616-619, 24 8-row shapes of 33-64 requests). The H200's
-#: bound is not read yet (addendum 13's phases run on an H200 only): it keeps 33. Measured
-#: on the H100 SXM (80GB HBM3) alone; the key also names the PCIe and NVL H100s, as
-#: ``ONE_CTA_GPUS`` does.
+#: addendum's 0.90 (run 291, seeds 616-619, 24 8-row shapes of 33-64 requests). H200: FA3
+#: won the pair at b48 (balanced 1.023, rounds 1.019-1.025, run 326) and lost it at b80
+#: (0.957, run 327), so by addendum 13's rule 65 (nothing measured between 48 and 80; the
+#: H100 lost from b56 on, so a pair at b64 is declared, addendum 20); its 8-row batches stay
+#: on ``cuda-splitk``: at 65 the kernels alone scored them 1.054 on geomean against 1.036 at
+#: 33, but worst 0.767 (run 328, seeds 612-615, 44 8-row shapes of 33-96 requests). Each
+#: measured on the SXM card alone; a key also names that chip's other boards (the PCIe and
+#: NVL H100s, the H200 NVL and the GH200), as ``ONE_CTA_GPUS`` does.
 SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {
     "H100": BandBound(49, fewest_request_rows=9),
+    "H200": BandBound(65, fewest_request_rows=9),
 }
 
 

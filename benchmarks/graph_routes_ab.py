@@ -26,7 +26,10 @@ worst of (the faster of vLLM's two calls) / route, over all shapes the same with
 under 0.98 and the shapes under it, for each lower bound T, the rule "cuda-splitk from
 T requests, the first route below" scored the same way (when both are timed), and for each
 rows bound X, "vllm-fa3-mla up to X query rows, flashmla past it" (when both are timed;
-``--rows`` keeps the draws of a range of query rows).
+``--rows`` keeps the draws of a range of query rows). ``--summarize --replay-gpu NAME``
+also scores ``ops.policy``'s CUDA-graph rule as it ships today for the SM90 GPU of that name,
+each shape on the forced row of the route the rule picks: a rule changed since the file
+was timed, replayed on its timings.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ import bench_decode
 import decode_kernels
 from bench_decode import add_shape_options, chosen_shapes, make_case
 from decode_kernels import Kernel, decoder_kernel, flashmla_peer, vllm_fa3_mla_peer
+from evaluate_policy import spec_and_shape
+
+from trtllm_mla_plugin.ops import Platform, policy
 
 PEERS = ("peer:vllm-flashmla", "peer:vllm-fa3-mla")
 BINS = ((17, 24), (25, 32), (33, 40), (41, 48), (49, 64), (65, 80), (81, 95), (96, 127),
@@ -87,16 +93,39 @@ def score(times: dict[str, float], route: str) -> float | None:
     return min(peers) / times[route]
 
 
+def shipped_rule_route(name: str, times: dict[str, float], gpu_name: str) -> str | None:
+    """The route ``ops.policy``'s CUDA-graph rule gives the bf16 shape ``name`` on the SM90
+    GPU named ``gpu_name`` (its ranking's first: a machine that builds ``cuda-splitk``)
+    where ``times`` holds that route's forced row, else ``None`` (another cache dtype, or
+    the route not timed: left out rather than scored on a route the rule would not run)."""
+    heads, batch, _ctx, _kind, q_len, kv, block = bench_decode.parse_shape_name(name)
+    if kv != "bf16":
+        return None
+    spec, shape = spec_and_shape({"heads": heads, "batch": batch, "q_len": q_len,
+                                  "block": block}, [], graph=True)
+    route = policy.rank(spec, Platform("cuda", (9, 0), gpu_name), shape)[0]
+    return route if route in times else None
+
+
 def summarize(results: list[tuple[int, dict[str, float]]], routes: list[str],
-              names: list[str] | None = None) -> None:
+              names: list[str] | None = None, replay_gpu: str | None = None) -> None:
     """Per batch range and route, over all shapes (``names``: the shapes', to list those
     under ``AIM`` and read their query rows), then per lower bound of the ``cuda-splitk``
-    range and per bound of ``ROWS_BOUNDS`` between ``vllm-fa3-mla`` and ``flashmla``."""
+    range and per bound of ``ROWS_BOUNDS`` between ``vllm-fa3-mla`` and ``flashmla``; with
+    ``replay_gpu`` (and ``names``) first today's CUDA-graph rule for that GPU, replayed."""
     def line(values: list[float]) -> str:
         return (f"geomean {statistics.geometric_mean(values):.3f} worst {min(values):.3f} "
                 f"n {len(values)}") if values else "n 0"
 
     names = names or [""] * len(results)
+    if replay_gpu and any(names):
+        picked = [(name, route, s) for name, (_, t) in zip(names, results, strict=True)
+                  if (route := shipped_rule_route(name, t, replay_gpu))
+                  if (s := score(t, route))]
+        under = [f"{name} {s:.3f} ({route})" for name, route, s in picked if s < AIM]
+        print(f"today's rule on {replay_gpu}, replayed: {line([s for *_, s in picked])} "
+              f"({len(results) - len(picked)} left out: its route not timed), under {AIM}: "
+              f"{len(under)}" + "".join(f"\n  {u}" for u in under))
     for route in routes:
         scored = [(name, s) for name, (_, t) in zip(names, results, strict=True)
                   if (s := score(t, route))]
@@ -162,11 +191,14 @@ def main() -> None:
                     help="replay each graph for S seconds before each timing")
     ap.add_argument("--summarize", action="store_true",
                     help="only summarize an existing --out file (any machine)")
+    ap.add_argument("--replay-gpu", metavar="NAME",
+                    help="with --summarize: also score today's CUDA-graph rule for the SM90 "
+                         "GPU of this name ('NVIDIA H200'), on the routes' forced rows")
     args = ap.parse_args()
     routes = [r for r in args.routes.split(",") if r]
     if args.summarize:
         by_shape = read_results_by_shape(args.out)
-        summarize(list(by_shape.values()), routes, list(by_shape))
+        summarize(list(by_shape.values()), routes, list(by_shape), args.replay_gpu)
         return
     decode_kernels.QUERY_PARTS = args.query_parts
     bench_decode.SUSTAIN_S = args.sustain

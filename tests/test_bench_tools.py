@@ -1402,6 +1402,35 @@ def test_graph_routes_ab_scores_each_rows_bound_between_fa3_and_flashmla():
             "n 2, under 0.95: 1") in lines
 
 
+def test_graph_routes_ab_replays_todays_graph_rule_per_gpu_on_forced_rows():
+    """``summarize(..., replay_gpu=NAME)`` scores each shape on the forced row of the route
+    the shipped CUDA-graph rule picks on that GPU (h16 b40: vLLM's FA3 below the H200's
+    band bound of 65, ``cuda-splitk`` on a card without an entry; h128 b32, 4096 rows: FA3
+    on both) and leaves out shapes whose route was not timed (h8 b40: ``cuda-splitk``)."""
+    import graph_routes_ab as ab
+
+    peers = {ab.PEERS[0]: 100.0, ab.PEERS[1]: 120.0}
+    names = ["h16 b40 2k u q1 bf16 p64", "h128 b32 4k u q1 bf16 p64",
+             "h8 b40 2k u q1 bf16 p64"]
+    results = [(40, {**peers, "vllm-fa3-mla": 100.0, "cuda-splitk": 125.0, "flashmla": 200.0}),
+               (32, {**peers, "vllm-fa3-mla": 80.0, "flashmla": 125.0}),
+               (40, {**peers, "vllm-fa3-mla": 100.0})]
+    assert ab.shipped_rule_route(names[0], results[0][1], "NVIDIA H200") == "vllm-fa3-mla"
+    assert ab.shipped_rule_route(names[0], results[0][1], "NVIDIA H800") == "cuda-splitk"
+    assert ab.shipped_rule_route(names[1], results[1][1], "NVIDIA H800") == "vllm-fa3-mla"
+    assert ab.shipped_rule_route(names[2], results[2][1], "NVIDIA H200") is None
+    assert ab.shipped_rule_route("h16 b40 2k u q1 fp8 p64", results[0][1], "NVIDIA H200") is None
+    for gpu, line in (
+            ("NVIDIA H200", "geomean 1.118 worst 1.000 n 2 (1 left out: its route not timed), "
+                            "under 0.98: 0"),
+            ("NVIDIA H800", "geomean 1.000 worst 0.800 n 2 (1 left out: its route not timed), "
+                            "under 0.98: 1\n  h16 b40 2k u q1 bf16 p64 0.800 (cuda-splitk)")):
+        printed = io.StringIO()
+        with redirect_stdout(printed):
+            ab.summarize(results, ["vllm-fa3-mla"], names, replay_gpu=gpu)
+        assert printed.getvalue().startswith(f"today's rule on {gpu}, replayed: {line}\n")
+
+
 def test_graph_routes_ab_times_the_decoder_itself_as_plugin(monkeypatch):
     """``--routes plugin`` is the CUDA-graph decoder with no route forced (the policy's pick,
     as the engine runs it); other names are routes forced; both with the engine's query."""

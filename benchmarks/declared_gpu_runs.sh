@@ -31,10 +31,9 @@
 #                                                   # FlashMLA at 3073-4096 query rows,
 #                                                   # then the GPU test of a rows bound
 #   bash benchmarks/declared_gpu_runs.sh rows4096-engine OUT  # addenda 18 (H100) and 20
-#                                                   # (H200): h128
-#                                                   # b32 (4096 rows) in the engine, the
-#                                                   # plugin against FlashMLA forced and
-#                                                   # against FLASH_ATTN_MLA
+#                                                   # (H200): h128 b32 (4096 rows) in the
+#                                                   # engine, the plugin against FlashMLA
+#                                                   # forced and against FLASH_ATTN_MLA
 #   bash benchmarks/declared_gpu_runs.sh memory OUT     # either card (addendum 19): h128
 #                                                   # b32, each engine alone at 0.9: does
 #                                                   # the plugin's fit where vLLM's do?

@@ -25,6 +25,8 @@
 #   bash benchmarks/declared_gpu_runs.sh b32-flashmla OUT  # the same against FLASHMLA
 #   bash benchmarks/declared_gpu_runs.sh engine-rest OUT   # the engine cases runs 299-304
 #                                                   # left; repeat the call until all report
+#   bash benchmarks/declared_gpu_runs.sh engine-spec OUT  # the five engine cases run 331
+#                                                   # did not reach (speculation, server)
 #   bash benchmarks/declared_gpu_runs.sh engine OUT  # all 20 one-GPU engine cases,
 #                                                   # resumable as engine-rest
 #   bash benchmarks/declared_gpu_runs.sh rows4096 OUT  # H100 (addendum 17): FA3 and
@@ -47,7 +49,7 @@
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine, rows4096, rows4096-engine, memory}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine-spec, engine, rows4096, rows4096-engine, memory}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -156,6 +158,11 @@ case "$phase" in
   engine-rest)  # test_engine_gpu.py's cases not run on 1fbf7bb's bound (runs 299-304 ran the
     # wide batches, the two FA3 cases and MTP 1-2)
     engine_cases "not wide_batch and not fa3 and not tensor_parallel and not without[1] and not without[2]"
+    ;;
+  engine-spec)  # the cases last at the end of a cut call (run 331 on an H200 did not reach
+    # them): MTP 2-3, n-gram, MTP against FLASHMLA's MTP, the server; a later `engine` call
+    # on the same warm machine reuses their finished engines
+    engine_cases "without[2] or without[3] or ngram or flashmla_mtp or openai_server"
     ;;
   engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)
     engine_cases "not tensor_parallel"

@@ -34,7 +34,7 @@ def test_every_name_a_phase_selects_by_still_names_a_gpu_test():
              if name not in K_OPERATORS}
     # The phases of today's script: the kernel tests', the plans', the engine's.
     assert {"splitk", "own_band_bound", "rows_bound_replays", "fa3", "tensor_parallel",
-            "without[2]"} <= names
+            "without[2]", "ngram", "openai_server"} <= names
     ids = [node.lower() for node in _gpu_test_ids()]
     unmatched = sorted(name for name in names if not any(name.lower() in node for node in ids))
     assert not unmatched, f"declared_gpu_runs.sh selects by names no GPU test has: {unmatched}"

@@ -161,7 +161,7 @@ case "$phase" in
     ;;
   engine-spec)  # the cases last at the end of a cut call (run 331 on an H200 did not reach
     # them): MTP 2-3, n-gram, MTP against FLASHMLA's MTP, the server; a later `engine` call
-    # on the same warm machine reuses their finished engines
+    # on the same warm machine reuses their finished engines (the server starts again)
     engine_cases "without[2] or without[3] or ngram or flashmla_mtp or openai_server"
     ;;
   engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)

@@ -29,6 +29,9 @@
 #                                                   # did not reach (speculation, server)
 #   bash benchmarks/declared_gpu_runs.sh engine OUT  # all 20 one-GPU engine cases,
 #                                                   # resumable as engine-rest
+#   bash benchmarks/declared_gpu_runs.sh suite OUT  # the kernel suite's six files whole
+#                                                   # and the graph-switch file (about 7 min
+#                                                   # on an H100)
 #   bash benchmarks/declared_gpu_runs.sh rows4096 OUT  # H100 (addendum 17): FA3 and
 #                                                   # FlashMLA at 3073-4096 query rows,
 #                                                   # then the GPU test of a rows bound
@@ -49,7 +52,7 @@
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine-spec, engine, rows4096, rows4096-engine, memory}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine-spec, engine, suite, rows4096, rows4096-engine, memory}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -166,6 +169,16 @@ case "$phase" in
     ;;
   engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)
     engine_cases "not tensor_parallel"
+    ;;
+  suite)  # the kernel suite whole (docs/benchmarks.md "Where things stand"), as last in run
+    # 242; the phase tests runs only the parts the recent changes touched
+    timeout 200 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_decode_routes_gpu.py \
+      tests/gpu/test_graph_switch_gpu.py > "$out/pytest-routes.log" 2>&1
+    tail -4 "$out/pytest-routes.log"
+    timeout 370 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_cuda_graph_gpu.py \
+      tests/gpu/test_reliability_gpu.py tests/gpu/test_flashmla_schedule_gpu.py \
+      tests/gpu/test_splitk_gpu.py tests/gpu/test_plan_host_gpu.py > "$out/pytest-suite.log" 2>&1
+    tail -4 "$out/pytest-suite.log"
     ;;
   rows4096-engine)  # addenda 18 (H100) and 20 (H200): the rows bound 4096 in the engine
     # Two plugin engines in one process ran out of memory at 0.45 each on an H100 (run 319:

@@ -2,8 +2,10 @@
 scored on measured rows without a GPU.
 
 ``python benchmarks/band16_bound_replay.py [--bounds 0,48,64,96] [--with-8-rows]
-[--rows LO-HI] [GROUP=]FILE.csv[,FILE.csv ...] ...`` (each argument one group of files,
-named ``GROUP``; ``--rows`` scores only shapes of that many query rows a request)
+[--rows LO-HI] [--batches LO-HI] [GROUP=]FILE.csv[,FILE.csv ...] ...`` (each argument one
+group of files, named ``GROUP``; ``--rows`` scores only shapes of that many query rows a
+request, ``--batches`` only shapes of that many requests: ``--batches 33-64`` with bound 65
+scores the shapes that bound moves and none that it leaves where they were)
 
 Under CUDA graphs ``ops.policy`` gives ``cuda-splitk`` every batch of
 ``SPLITK_MIN_REQUEST_ROWS``-``SPLITK_MAX_REQUEST_ROWS`` query rows a request (8-16) from
@@ -108,16 +110,18 @@ def main(*argv: str) -> None:
     ap.add_argument("--bounds", default="0,48,64,96,128")
     ap.add_argument("--with-8-rows", action="store_true")
     ap.add_argument("--rows", type=int_range, default=None, metavar="LO-HI")
+    ap.add_argument("--batches", type=int_range, default=None, metavar="LO-HI")
     args = ap.parse_args(argv)
     groups = {}
     for arg in args.files:
         name, _, files = arg.rpartition("=")
         groups[name or arg] = files.split(",")
     ratios = {name: band_ratios(paths) for name, paths in groups.items()}
-    if args.rows is not None:
-        lo, hi = args.rows
-        ratios = {name: {s: r for s, r in rs.items() if lo <= r[0] <= hi}
-                  for name, rs in ratios.items()}
+    for field, span in ((0, args.rows), (1, args.batches)):
+        if span is not None:
+            lo, hi = span
+            ratios = {name: {s: r for s, r in rs.items() if lo <= r[field] <= hi}
+                      for name, rs in ratios.items()}
     ratios["all"] = {f"{g} {s}": r for g, rs in ratios.items() for s, r in rs.items()}
     for bound in (int(b) for b in args.bounds.split(",")):
         cells = []

@@ -14,11 +14,16 @@
 #                                                   # the FA3 route's plan on the GPU
 #   bash benchmarks/declared_gpu_runs.sh pair80 OUT # the same at b80
 #   bash benchmarks/declared_gpu_runs.sh pair64 OUT # H200 (addendum 20): the same at b64
+#   bash benchmarks/declared_gpu_runs.sh pair48-h8 OUT  # addendum 23: the same at 8 heads,
+#   bash benchmarks/declared_gpu_runs.sh pair64-h8 OUT  # b48 (either card) and b64 (H200)
 #   bash benchmarks/declared_gpu_runs.sh band-kernel OUT  # 8-16-row shapes at 33-96
 #                                                   # requests: the decoder and FA3 forced
 #   bash benchmarks/declared_gpu_runs.sh pair40 OUT # H100 (addendum 14): the pair at b40
 #   bash benchmarks/declared_gpu_runs.sh band-kernel-b49 OUT  # H100: 33-64 requests,
 #                                                   # fresh seeds, bounds 0 and 49
+#   bash benchmarks/declared_gpu_runs.sh band8-kernel OUT  # either card (addendum 23):
+#                                                   # 8-row shapes of 33-64 requests, FA3
+#                                                   # against the decoder, fresh seeds
 #   bash benchmarks/declared_gpu_runs.sh b40-fa3 OUT  # H100 (addendum 15): the default
 #   bash benchmarks/declared_gpu_runs.sh b48-fa3 OUT  # plugin against FLASH_ATTN_MLA, 61 layers
 #   bash benchmarks/declared_gpu_runs.sh b32-fa3 OUT       # h16 b32 against FLASH_ATTN_MLA
@@ -48,11 +53,12 @@
 # engine process they start (TRTLLM_MLA_FA3_DEVICE_PLAN=1). Addendum 13's phases are read
 # on an H200, addendum 14's (pair40, band-kernel-b49), 15's (b40-fa3, b48-fa3) and 17's
 # (rows4096) and 18's (rows4096-engine) on an H100; 19's (memory) on either; 20's (tests,
-# pair64, rows4096-engine, engine) on an H200.
+# pair64, rows4096-engine, engine) on an H200; 23's (band8-kernel, pair48-h8, and on an
+# H200 pair64-h8) on either, each card for its own band entry.
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, band-kernel, band-kernel-b49, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine-spec, engine, suite, rows4096, rows4096-engine, memory}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, pair48-h8, pair64-h8, band-kernel, band-kernel-b49, band8-kernel, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine-spec, engine, suite, rows4096, rows4096-engine, memory}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -112,14 +118,18 @@ case "$phase" in
       > "$out/engine-fa3.log" 2>&1
     tail -8 "$out/engine-fa3.log"
     ;;
-  pair40 | pair48 | pair64 | pair80)  # addenda 13, 14, 20: runs 247 and 251's command, the
-    # FA3 route's plan on the GPU
+  pair40 | pair48 | pair64 | pair80 | pair48-h8 | pair64-h8)  # addenda 13, 14, 20, 23: runs
+    # 247 and 251's command, the FA3 route's plan on the GPU; -h8: 8 heads (8 query rows a
+    # request), the band's 8-row batches
     export TRTLLM_MLA_FA3_DEVICE_PLAN=1
     echo "TRTLLM_MLA_FA3_DEVICE_PLAN=1" > "$out/$phase.log"
+    batch="${phase#pair}"
+    heads=16
+    if [[ "$batch" == *-h8 ]]; then batch="${batch%-h8}"; heads=8; fi
     # FA3 (planned on the GPU) over cuda-splitk, both forced: a card's band entry may already
     # give the plugin's own pick FA3 at the pair's batch (the H200's 65 at b48 and b64)
-    timeout 580 "${engine_pair[@]}" --out "$out/e" --layers 61 --timeout 400 \
-      --batches "${phase#pair}" --backends TRTLLM_MLA@vllm-fa3-mla,TRTLLM_MLA@cuda-splitk \
+    timeout 580 "${engine_pair[@]}" --heads "$heads" --out "$out/e" --layers 61 --timeout 400 \
+      --batches "$batch" --backends TRTLLM_MLA@vllm-fa3-mla,TRTLLM_MLA@cuda-splitk \
       >> "$out/$phase.log" 2>&1
     tail -20 "$out/$phase.log"
     ;;
@@ -144,6 +154,18 @@ case "$phase" in
         "$out/band.csv"
     done >> "$out/band-kernel-b49.log" 2>&1
     tail -10 "$out/band-kernel-b49.log"
+    ;;
+  band8-kernel)  # addendum 23, either card: the 8-row batches a card's band bound would move
+    # (33-48 requests on an H100, 33-64 on an H200), fresh seeds, the kernels alone
+    timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/band8.csv" --rounds 3 \
+      --query-parts --seeds 750,751,752,753,754,755 --count 1000 --request-rows 8-8 \
+      --batches 33-64 --routes plugin,vllm-fa3-mla > "$out/band8-kernel.log" 2>&1
+    for batches in 33-48 33-64; do
+      echo "8 rows a request, $batches requests:"
+      python3 benchmarks/band16_bound_replay.py --bounds 0,65 --with-8-rows --rows 8-8 \
+        --batches "$batches" "$out/band8.csv"
+    done >> "$out/band8-kernel.log" 2>&1
+    tail -10 "$out/band8-kernel.log"
     ;;
   b40-fa3 | b48-fa3)  # addendum 15: the H100's bound as shipped, no env var, over vLLM's default
     batch="${phase%-fa3}"

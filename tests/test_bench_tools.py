@@ -2050,6 +2050,12 @@ def test_band16_bound_replay_moves_only_the_band_below_the_bound(tmp_path, capsy
                      "all: 1 shapes 0.800 worst 0.800 under 1",
                      "FA3 below   97: g: 1 shapes 1.000 worst 1.000 under 0; "
                      "all: 1 shapes 1.000 worst 1.000 under 0"]
+    # --batches 41-200 keeps the shapes of 41-200 requests: b50 (1.0, on FA3 below 97) and
+    # b200 (1.1, on cuda-splitk); the three b40 shapes drop out
+    replay.main("--bounds", "97", "--batches", "41-200", f"g={ab},{bench}")
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("FA3 below   97: g: 2 shapes ")
+    assert f"{math.sqrt(1.1):.3f} worst 1.000 under 0" in line
 
 
 def test_fit_switch_rule_span_is_the_span_of_the_routes_own_plan(monkeypatch):

@@ -80,6 +80,13 @@ engine_cases() {
     > "$out/$phase.log" 2>&1
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/$phase.log" | tail -24
 }
+# The band phases' kernel timing: graph_routes_ab.py on fresh seeds ($1), the decoder and
+# vllm-fa3-mla forced, three rounds, into $out/$4 and the phase's log.
+band_timing() {
+  timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/$4" --rounds 3 \
+    --query-parts --seeds "$1" --count 1000 --request-rows "$2" \
+    --batches "$3" --routes plugin,vllm-fa3-mla > "$out/$phase.log" 2>&1
+}
 case "$phase" in
   tests)  # addenda 10, 11 and 13
     timeout 330 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_splitk_gpu.py \
@@ -134,9 +141,7 @@ case "$phase" in
     tail -20 "$out/$phase.log"
     ;;
   band-kernel)  # addendum 13: whether 8-row batches move with the 16-row band
-    timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/band.csv" --rounds 3 \
-      --query-parts --seeds 612,613,614,615 --count 1000 --request-rows 8-16 \
-      --batches 33-96 --routes plugin,vllm-fa3-mla > "$out/band-kernel.log" 2>&1
+    band_timing 612,613,614,615 8-16 33-96 band.csv
     for rows in 8-8 9-16; do
       echo "rows a request $rows:"
       python3 benchmarks/band16_bound_replay.py --bounds 0,65,97 --with-8-rows --rows "$rows" \
@@ -145,9 +150,7 @@ case "$phase" in
     tail -10 "$out/band-kernel.log"
     ;;
   band-kernel-b49)  # addendum 14, on an H100: the band's 8-row batches at bound 49
-    timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/band.csv" --rounds 3 \
-      --query-parts --seeds 616,617,618,619 --count 1000 --request-rows 8-16 \
-      --batches 33-64 --routes plugin,vllm-fa3-mla > "$out/band-kernel-b49.log" 2>&1
+    band_timing 616,617,618,619 8-16 33-64 band.csv
     for rows in 8-8 9-16; do
       echo "rows a request $rows:"
       python3 benchmarks/band16_bound_replay.py --bounds 0,49 --with-8-rows --rows "$rows" \
@@ -157,9 +160,7 @@ case "$phase" in
     ;;
   band8-kernel)  # addendum 23, either card: the 8-row batches a card's band bound would move
     # (33-48 requests on an H100, 33-64 on an H200), fresh seeds, the kernels alone
-    timeout 400 python3 benchmarks/graph_routes_ab.py --out "$out/band8.csv" --rounds 3 \
-      --query-parts --seeds 750,751,752,753,754,755 --count 1000 --request-rows 8-8 \
-      --batches 33-64 --routes plugin,vllm-fa3-mla > "$out/band8-kernel.log" 2>&1
+    band_timing 750,751,752,753,754,755 8-8 33-64 band8.csv
     for bound in 49 65; do  # the H100's span, then the H200's
       echo "8 rows a request, 33-$((bound - 1)) requests:"
       python3 benchmarks/band16_bound_replay.py --bounds "0,$bound" --with-8-rows --rows 8-8 \

@@ -388,14 +388,13 @@ class BandBound:
 #: addendum's 0.90 (run 291, seeds 616-619, 24 8-row shapes of 33-64 requests; that worst is
 #: at 49-64 requests, left on ``cuda-splitk`` either way: the 11 of 33-48 requests scored
 #: 1.048 on FA3, worst 0.983, against 1.019, worst 0.801, so addendum 23 declares an 8-head
-#: engine pair). H200: FA3
-#: won the pair at b48 (balanced 1.023, rounds 1.019-1.025, run 326) and lost it at b80
-#: (0.957, run 327), so by addendum 13's rule 65 (nothing measured between 48 and 80; the
-#: H100 lost from b56 on, so a pair at b64 is declared, addendum 20); its 8-row batches stay
-#: on ``cuda-splitk``: at 65 the kernels alone scored them 1.054 on geomean against 1.036 at
-#: 33, but worst 0.767 (run 328, seeds 612-615, 44 8-row shapes of 33-96 requests; that
-#: worst is at b67, left on ``cuda-splitk`` either way: the 27 of 33-64 requests scored 1.048
-#: on FA3, worst 0.970, against 1.020, worst 0.742; addendum 23). Each
+#: engine pair). H200: FA3 won the pair at b48 (balanced 1.023, rounds 1.019-1.025, run
+#: 326) and lost it at b80 (0.957, run 327), so by addendum 13's rule 65 (nothing measured
+#: between 48 and 80; the H100 lost from b56 on, so a pair at b64 is declared, addendum 20);
+#: its 8-row batches stay on ``cuda-splitk``: at 65 the kernels alone scored them 1.054 on
+#: geomean against 1.036 at 33, but worst 0.767 (run 328, seeds 612-615, 44 8-row shapes of
+#: 33-96 requests; that worst is at b67, left on ``cuda-splitk`` either way: the 27 of 33-64
+#: requests scored 1.048 on FA3, worst 0.970, against 1.020, worst 0.742; addendum 23). Each
 #: measured on the SXM card alone; a key also names that chip's other boards (the PCIe and
 #: NVL H100s, the H200 NVL and the GH200), as ``ONE_CTA_GPUS`` does.
 SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {

@@ -87,6 +87,16 @@ band_timing() {
     --query-parts --seeds "$1" --count 1000 --request-rows "$2" \
     --batches "$3" --routes plugin,vllm-fa3-mla > "$out/$phase.log" 2>&1
 }
+# band-kernel's and band-kernel-b49's replay of band.csv at the bounds $1, the 8-row shapes
+# and the 9-16-row ones apart, appended to the phase's log.
+band_rows_replay() {
+  for rows in 8-8 9-16; do
+    echo "rows a request $rows:"
+    python3 benchmarks/band16_bound_replay.py --bounds "$1" --with-8-rows --rows "$rows" \
+      "$out/band.csv"
+  done >> "$out/$phase.log" 2>&1
+  tail -10 "$out/$phase.log"
+}
 case "$phase" in
   tests)  # addenda 10, 11 and 13
     timeout 330 python3 -m pytest -q -rfs -p no:cacheprovider tests/gpu/test_splitk_gpu.py \
@@ -142,21 +152,11 @@ case "$phase" in
     ;;
   band-kernel)  # addendum 13: whether 8-row batches move with the 16-row band
     band_timing 612,613,614,615 8-16 33-96 band.csv
-    for rows in 8-8 9-16; do
-      echo "rows a request $rows:"
-      python3 benchmarks/band16_bound_replay.py --bounds 0,65,97 --with-8-rows --rows "$rows" \
-        "$out/band.csv"
-    done >> "$out/band-kernel.log" 2>&1
-    tail -10 "$out/band-kernel.log"
+    band_rows_replay 0,65,97
     ;;
   band-kernel-b49)  # addendum 14, on an H100: the band's 8-row batches at bound 49
     band_timing 616,617,618,619 8-16 33-64 band.csv
-    for rows in 8-8 9-16; do
-      echo "rows a request $rows:"
-      python3 benchmarks/band16_bound_replay.py --bounds 0,49 --with-8-rows --rows "$rows" \
-        "$out/band.csv"
-    done >> "$out/band-kernel-b49.log" 2>&1
-    tail -10 "$out/band-kernel-b49.log"
+    band_rows_replay 0,49
     ;;
   band8-kernel)  # addendum 23, either card: the 8-row batches a card's band bound would move
     # (33-48 requests on an H100, 33-64 on an H200), fresh seeds, the kernels alone

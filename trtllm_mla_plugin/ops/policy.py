@@ -378,25 +378,18 @@ class BandBound:
     fewest_request_rows: int = SPLITK_MIN_REQUEST_ROWS
 
 
-#: Each GPU's own band bound, for GPUs whose name contains a key, where the engine measured the
-#: band's crossing apart (addenda 13-14 of docs/bench-2026-12-05/run228-criteria.txt declared the
-#: readings before the runs). H100 (80GB HBM3): in the engine pairs (h16, 61 layers, FA3 planned on
-#: the GPU over ``cuda-splitk``) FA3 won at b40 (balanced 1.029, run 292) and b48 (1.014, 1.017;
-#: runs 284, 288) and lost from b56 on (0.996 at b56, 0.976 at b64, 0.974 at b80), so 49; its 8-row
-#: batches stay on ``cuda-splitk``: at 49 the kernels alone scored them 1.035 on geomean against
-#: 1.021 at 33, but worst 0.839, under the addendum's 0.90 (run 291, seeds 616-619, 24 8-row shapes
-#: of 33-64 requests; that worst is at 49-64 requests, left on ``cuda-splitk`` either way: the 11 of
-#: 33-48 requests scored 1.048 on FA3, worst 0.983, against 1.019, worst 0.801, so addendum 23
-#: declares an 8-head engine pair; on fresh seeds 750-755, 27 shapes of 33-48 requests, FA3 1.023,
-#: worst 0.976, against 1.007, worst 0.839: run 337, addendum 24; the pair has not run). H200: FA3
-#: won the pair at b48 (balanced 1.023, rounds 1.019-1.025, run 326) and lost it at b80 (0.957, run
-#: 327), so by addendum 13's rule 65 (nothing measured between 48 and 80; the H100 lost from b56 on,
-#: so a pair at b64 is declared, addendum 20); its 8-row batches stay on ``cuda-splitk``: at 65 the
-#: kernels alone scored them 1.054 on geomean against 1.036 at 33, but worst 0.767 (run 328, seeds
-#: 612-615, 44 8-row shapes of 33-96 requests; that worst is at b67, left on ``cuda-splitk`` either
-#: way: the 27 of 33-64 requests scored 1.048 on FA3, worst 0.970, against 1.020, worst 0.742;
-#: addendum 23). Each measured on the SXM card alone; a key also names that chip's other boards (the
-#: PCIe and NVL H100s, the H200 NVL and the GH200), as ``ONE_CTA_GPUS`` does.
+#: Each GPU's own band bound, for GPUs whose name contains a key, where the engine measured
+#: the band's crossing apart (readings declared before the runs, addenda 13-14 of
+#: docs/bench-2026-12-05/run228-criteria.txt; every run and the 8-row readings since, addenda
+#: 23-24, in docs/benchmarks.md's route section). In the engine pairs (h16, 61 layers, FA3
+#: planned on the GPU over ``cuda-splitk``) the H100 won at b40 and b48 (balanced 1.014-1.029,
+#: runs 292, 284, 288) and lost from b56 on (0.996 at b56), so 49; the H200 won at b48 (1.023,
+#: run 326) and lost at b80 (0.957, run 327), so 65 (a pair at b64 is declared, addendum 20).
+#: Both keep their 8-row batches on ``cuda-splitk`` (fewest_request_rows=9): the kernels alone
+#: gave them a worst under addendum 13's 0.90 (runs 291, 328), and the runs that would move
+#: them (fresh shapes, run 337 on the H100, and an 8-head engine pair per card) are not all in
+#: (addenda 23-24). Each measured on the SXM card alone; a key also names that chip's other
+#: boards (the PCIe and NVL H100s, the H200 NVL and the GH200), as ``ONE_CTA_GPUS`` does.
 SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {
     "H100": BandBound(49, fewest_request_rows=9),
     "H200": BandBound(65, fewest_request_rows=9),

@@ -647,15 +647,17 @@ def main() -> None:
     if args.paired:
         import summarize_engine
 
+        over = args.backends.split(",")[0]
         print()
-        summarize_engine.print_table(summarize_engine.paired_points([rows]))
+        summarize_engine.print_table(
+            summarize_engine.paired_points([rows], "decode_tokens_per_s", over))
         if args.core_steps:
             print("\nBy the engine core's timestamps (--core-steps):")
             summarize_engine.print_table(
-                summarize_engine.paired_points([rows], "core_decode_tokens_per_s"))
+                summarize_engine.paired_points([rows], "core_decode_tokens_per_s", over))
             print("\nBy the median decode step of the engine core (--core-steps):")
-            summarize_engine.print_table(
-                summarize_engine.paired_points([rows], "core_median_decode_tokens_per_s"))
+            summarize_engine.print_table(summarize_engine.paired_points(
+                [rows], "core_median_decode_tokens_per_s", over))
 
 
 def print_medians(rows: list[dict]) -> None:

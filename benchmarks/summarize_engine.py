@@ -1,7 +1,7 @@
 """Paired engine rounds of bench_engine.py (``--paired``) as ratios with an interval.
 
 ``python benchmarks/summarize_engine.py [--core | --core-median | --core-fast]
-[--plot out.png] engine.csv [more.csv ...]``
+[--over TRTLLM_MLA@ROUTE] [--plot out.png] engine.csv [more.csv ...]``
 prints,
 per (heads, KV dtype, batch) and per pair of backends, the decode tokens/s of TRTLLM_MLA over
 the other backend's in every round, their geometric mean, and an estimate balanced over
@@ -9,7 +9,9 @@ creation order with its 95% interval (``--plot``: those estimates and intervals 
 one marker per round; needs matplotlib; ``--core``: the decode steps timed by vLLM's engine
 core, ``bench_engine.py --core-steps``; ``--core-median``: the median of those steps one by
 one; ``--core-fast``: each engine's fastest decile of steps, the lowest 10th percentile of
-its repeats). ``bench_engine.py --paired`` prints the table at its end.
+its repeats; ``--over``: of two forced routes of the plugin paired, the one whose decode
+tokens/s is divided by the other's). ``bench_engine.py --paired`` prints the table at its
+end, the first of its ``--backends`` over the other.
 
 Why the fastest decile: one engine's repeats of the same decode loop shift as a whole, the
 10th percentile with the median (run 98: p10 3.34 / 2.48 / 2.43 ms over three repeats,
@@ -78,11 +80,12 @@ class PairedPoint:
     created_first: float | None
 
 
-def paired_points(files: list[list[dict]],
-                  column: str = "decode_tokens_per_s") -> list[PairedPoint]:
+def paired_points(files: list[list[dict]], column: str = "decode_tokens_per_s",
+                  over: str | None = None) -> list[PairedPoint]:
     """``files``: the rows of each engine.csv (as ``csv.DictReader`` gives them);
     ``column``: the throughput compared (``core_decode_tokens_per_s``: by the engine
-    core's timestamps)."""
+    core's timestamps); ``over``: the side compared where a round pairs two of the plugin's
+    forced routes (``plugin_index``)."""
     groups: dict[tuple, list[dict]] = {}
     for i, rows in enumerate(files):
         for r in rows:
@@ -92,7 +95,7 @@ def paired_points(files: list[list[dict]],
     per_point: dict[tuple, list[tuple[float, bool]]] = {}
     for (_, _, heads, kv, batch), rows in groups.items():
         names = [r["backend"] for r in rows]
-        mine = plugin_index(names) if len(rows) == 2 and names[0] != names[1] else None
+        mine = plugin_index(names, over) if len(rows) == 2 and names[0] != names[1] else None
         if mine is None:
             continue
         plugin, other = rows[mine], rows[1 - mine]
@@ -104,13 +107,16 @@ def paired_points(files: list[list[dict]],
     return [_point(key, values) for key, values in per_point.items()]
 
 
-def plugin_index(names: list[str]) -> int | None:
+def plugin_index(names: list[str], over: str | None = None) -> int | None:
     """Which of a round's two backends is the plugin: ``TRTLLM_MLA`` or
     ``TRTLLM_MLA@ROUTE`` (a route forced); of two plugin engines, the one with a route
-    forced (compared with the plugin's own choice); ``None`` if neither or undecided."""
+    forced (compared with the plugin's own choice), and of two forced routes the one named
+    ``over`` (``bench_engine`` passes the first of its ``--backends``); ``None`` if neither
+    or undecided."""
     mine = [i for i, n in enumerate(names) if split_backend(n)[0] == PLUGIN]
     if len(mine) == 2:
-        mine = [i for i in mine if split_backend(names[i])[1]]
+        forced = [i for i in mine if split_backend(names[i])[1]]
+        mine = forced if len(forced) == 1 else [i for i in mine if names[i] == over]
     return mine[0] if len(mine) == 1 else None
 
 
@@ -201,6 +207,11 @@ def main(*argv: str) -> None:
         if flag in args:
             args.remove(flag)
             column = name
+    over = None
+    if "--over" in args:
+        i = args.index("--over")
+        over = args[i + 1]
+        del args[i:i + 2]
     dst = None
     if "--plot" in args:
         i = args.index("--plot")
@@ -211,7 +222,7 @@ def main(*argv: str) -> None:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
         files.append(with_fastest_decile(rows) if column == FAST_COLUMN else rows)
-    points = paired_points(files, column)
+    points = paired_points(files, column, over)
     print_table(points)
     if dst is not None:
         plot(points, dst)

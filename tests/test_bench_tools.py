@@ -586,6 +586,26 @@ def test_paired_ratio_takes_a_forced_route_as_the_plugin():
     assert point.other == "TRTLLM_MLA (TRTLLM_MLA@vllm-fa3-mla over it)"
 
 
+def test_paired_ratio_of_two_forced_routes_takes_the_one_named_over(tmp_path, capsys):
+    """Two forced routes of the plugin (the pair phases' FA3 over ``cuda-splitk``): no side
+    without ``over``; with it, that route over the other, from the CSV as from the rows."""
+    rows = []
+    for rnd, order in enumerate((("TRTLLM_MLA@vllm-fa3-mla", "TRTLLM_MLA@cuda-splitk"),
+                                 ("TRTLLM_MLA@cuda-splitk", "TRTLLM_MLA@vllm-fa3-mla"))):
+        rows += _paired_round(rnd, *order, {"TRTLLM_MLA@vllm-fa3-mla": 1040.0,
+                                            "TRTLLM_MLA@cuda-splitk": 1000.0}, 48)
+    assert summarize_engine.paired_points([rows]) == []
+    (point,) = summarize_engine.paired_points([rows], over="TRTLLM_MLA@cuda-splitk")
+    assert point.ratios == pytest.approx((1 / 1.04, 1 / 1.04))
+    assert point.plugin_first == (False, True)
+    path = tmp_path / "engine.csv"
+    bench_engine.write_csv(path, rows)
+    summarize_engine.main("--over", "TRTLLM_MLA@vllm-fa3-mla", str(path))
+    table = capsys.readouterr().out
+    assert ("| 48 | TRTLLM_MLA@cuda-splitk (TRTLLM_MLA@vllm-fa3-mla over it) | 2 | "
+            "1.040*, 1.040 | 1.040 | 1.040 (-" in table)
+
+
 def test_paired_table_reads_the_csv_bench_engine_writes(tmp_path, capsys):
     """bench_engine.write_csv -> summarize_engine.main: the columns it needs survive."""
     rows = []

@@ -230,21 +230,25 @@ def test_band_bound_is_read_per_gpu_by_name(splitk_present, monkeypatch):
     assert not policy.vllm_fa3_device_plan(spec(16), 32, h100.name)  # host plan below 33
 
 
-@pytest.mark.parametrize(("gpu_name", "bound"), [
-    ("NVIDIA H100 80GB HBM3", 49),  # addendum 14: runs 291-292
-    ("NVIDIA H200", 65),  # addendum 13: runs 326-328
+@pytest.mark.parametrize(("gpu_name", "bound", "eight_rows_on_fa3"), [
+    ("NVIDIA H100 80GB HBM3", 49, True),  # addenda 14, 23-24: runs 291-292, 337-338
+    ("NVIDIA H200", 65, False),  # addendum 13: runs 326-328
 ])
-def test_shipped_band_bounds_move_9_to_16_rows_only(splitk_present, gpu_name, bound):
-    """Each card's entry as its addendum read it: under CUDA graphs its 9-16-row batches
+def test_shipped_band_bounds(splitk_present, gpu_name, bound, eight_rows_on_fa3):
+    """Each card's entry as its addenda read it: under CUDA graphs its 9-16-row batches
     from 33 requests up to its bound run vLLM's FA3 kernel longest first, planned on the
-    GPU, and ``cuda-splitk`` from the bound on; its 8-row batches keep ``cuda-splitk`` from
-    33; a Hopper card without an entry keeps ``cuda-splitk`` from 33 at any rows."""
+    GPU, and ``cuda-splitk`` from the bound on; its 8-row batches do the same where the
+    card's 8-head reading passed (the H100, addenda 23-24) and keep ``cuda-splitk`` from 33
+    where it has not (the H200); a Hopper card without an entry keeps ``cuda-splitk`` from
+    33 at any rows."""
     gpu = Platform("cuda", (9, 0), gpu_name)
     other = Platform("cuda", (9, 0), "NVIDIA H800")
-    assert policy.band_bound(gpu.name) == policy.BandBound(bound, fewest_request_rows=9)
+    fewest_rows = 8 if eight_rows_on_fa3 else 9
+    assert policy.band_bound(gpu.name) == policy.BandBound(bound, fewest_request_rows=fewest_rows)
     assert policy.band_bound(other.name) is None
     assert policy.SPLITK_GRAPH_MIN_BATCH == 33
-    for heads, q_len in ((16, 1), (8, 2)):
+    moved = [(16, 1), (8, 2)] + ([(8, 1)] if eight_rows_on_fa3 else [])
+    for heads, q_len in moved:
         s = spec(heads, q_len=q_len)
         assert policy.splitk_graph_min_batch(s, gpu.name) == bound
         for batch in (33, 40, bound - 1):
@@ -255,11 +259,12 @@ def test_shipped_band_bounds_move_9_to_16_rows_only(splitk_present, gpu_name, bo
         for batch in (bound, 96, 1024):
             assert choose_route(s, gpu, shape=BatchShape(batch, q_len)).name == "cuda-splitk"
             assert not policy.vllm_fa3_device_plan(s, batch, gpu.name)
-    eight = spec(8)
-    assert policy.splitk_graph_min_batch(eight, gpu.name) == 33
-    for batch in (33, 48, bound):
-        assert choose_route(eight, gpu, shape=BatchShape(batch, 1)).name == "cuda-splitk"
-        assert not policy.vllm_fa3_device_plan(eight, batch, gpu.name)
+    if not eight_rows_on_fa3:
+        eight = spec(8)
+        assert policy.splitk_graph_min_batch(eight, gpu.name) == 33
+        for batch in (33, 48, bound):
+            assert choose_route(eight, gpu, shape=BatchShape(batch, 1)).name == "cuda-splitk"
+            assert not policy.vllm_fa3_device_plan(eight, batch, gpu.name)
 
 
 def test_rows_bound_is_read_per_gpu_by_name(kernels_present, monkeypatch):

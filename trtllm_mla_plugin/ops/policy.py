@@ -369,9 +369,8 @@ class BandBound:
             ``cuda-splitk``.
         fewest_request_rows: only specs of at least this many query rows a request move
             with ``min_batch``; the band's others keep ``SPLITK_GRAPH_MIN_BATCH`` (9 keeps
-            the 8-row batches on ``cuda-splitk``, as addenda 13-14 read runs 291 and 328;
-            addendum 23 found those readings' worst shapes above the bound, which it does
-            not move, and declares the runs that decide).
+            the 8-row batches on ``cuda-splitk``, as addenda 13-14 read runs 291 and 328,
+            until a card's runs of addendum 23 move them).
     """
 
     min_batch: int
@@ -381,17 +380,19 @@ class BandBound:
 #: Each GPU's own band bound, for GPUs whose name contains a key, where the engine measured
 #: the band's crossing apart (readings declared before the runs, addenda 13-14 of
 #: docs/bench-2026-12-05/run228-criteria.txt; every run and the 8-row readings since, addenda
-#: 23-24, in docs/benchmarks.md's route section). In the engine pairs (h16, 61 layers, FA3
+#: 23-25, in docs/benchmarks.md's route section). In the engine pairs (h16, 61 layers, FA3
 #: planned on the GPU over ``cuda-splitk``) the H100 won at b40 and b48 (balanced 1.014-1.029,
 #: runs 292, 284, 288) and lost from b56 on (0.996 at b56), so 49; the H200 won at b48 (1.023,
 #: run 326) and lost at b80 (0.957, run 327), so 65 (a pair at b64 is declared, addendum 20).
-#: Both keep their 8-row batches on ``cuda-splitk`` (fewest_request_rows=9): the kernels alone
-#: gave them a worst under addendum 13's 0.90 (runs 291, 328), and the runs that would move
-#: them (fresh shapes, run 337 on the H100, and an 8-head engine pair per card) are not all in
-#: (addenda 23-24). Each measured on the SXM card alone; a key also names that chip's other
-#: boards (the PCIe and NVL H100s, the H200 NVL and the GH200), as ``ONE_CTA_GPUS`` does.
+#: The H100's 8-row batches move with its bound: on fresh 8-row shapes of 33-48 requests FA3
+#: scored 1.023 (worst 0.976) against the decoder's 1.007 (worst 0.839, run 337), and in the
+#: engine pair at h8 b48 1.021 of ``cuda-splitk`` (no round under 0.97, run 338; addenda
+#: 23-25). The H200 keeps its 8-row batches on ``cuda-splitk`` (fewest_request_rows=9) until
+#: its own runs of those two phases are in. Each measured on the SXM card alone; a key also
+#: names that chip's other boards (the PCIe and NVL H100s, the H200 NVL and the GH200), as
+#: ``ONE_CTA_GPUS`` does.
 SPLITK_GRAPH_BANDS_BY_GPU: dict[str, BandBound] = {
-    "H100": BandBound(49, fewest_request_rows=9),
+    "H100": BandBound(49),
     "H200": BandBound(65, fewest_request_rows=9),
 }
 

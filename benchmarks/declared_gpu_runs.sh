@@ -32,6 +32,8 @@
 #                                                   # left; repeat the call until all report
 #   bash benchmarks/declared_gpu_runs.sh engine-spec OUT  # the five engine cases run 331
 #                                                   # did not reach (speculation, server)
+#   bash benchmarks/declared_gpu_runs.sh engine-wide OUT  # H100 (addendum 25): the two
+#                                                   # wide-batch engine cases
 #   bash benchmarks/declared_gpu_runs.sh engine OUT  # all 20 one-GPU engine cases,
 #                                                   # resumable as engine-rest
 #   bash benchmarks/declared_gpu_runs.sh suite OUT  # the kernel suite's six files whole
@@ -58,7 +60,7 @@
 # tests/test_declared_gpu_runs.py checks on the CPU that every test name a phase selects by
 # (or leaves out) still names a GPU test.
 set -u
-phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, pair48-h8, pair64-h8, band-kernel, band-kernel-b49, band8-kernel, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine-spec, engine, suite, rows4096, rows4096-engine, memory}"
+phase="${1:?phase: tests, r259, r260, r257, engine-fa3, pair40, pair48, pair64, pair80, pair48-h8, pair64-h8, band-kernel, band-kernel-b49, band8-kernel, b40-fa3, b48-fa3, b32-fa3, b32-flashmla, engine-rest, engine-spec, engine-wide, engine, suite, rows4096, rows4096-engine, memory}"
 out="${2:?output directory}"
 mkdir -p "$out"
 export PYTHONPATH="/tmp/kit/plugin:/tmp/kit/vllm:/tmp/kit/site:$PWD:${PYTHONPATH:-}"
@@ -189,6 +191,10 @@ case "$phase" in
     # them): MTP 2-3, n-gram, MTP against FLASHMLA's MTP, the server; a later `engine` call
     # on the same warm machine reuses their finished engines (the server starts again)
     engine_cases "without[2] or without[3] or ngram or flashmla_mtp or openai_server"
+    ;;
+  engine-wide)  # addendum 25, on an H100: the wide batches (128 requests finishing in
+    # waves), whose 43-request wave at 8 heads BandBound(49) moves to FA3 planned on the GPU
+    engine_cases "wide_batch"
     ;;
   engine)  # every one-GPU case of test_engine_gpu.py (all but tensor parallel)
     engine_cases "not tensor_parallel"

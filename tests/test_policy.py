@@ -231,14 +231,14 @@ def test_band_bound_is_read_per_gpu_by_name(splitk_present, monkeypatch):
 
 
 @pytest.mark.parametrize(("gpu_name", "bound", "eight_rows_on_fa3"), [
-    ("NVIDIA H100 80GB HBM3", 49, True),  # addenda 14, 23-24: runs 291-292, 337-338
+    ("NVIDIA H100 80GB HBM3", 49, True),  # addenda 14, 23-25: runs 291-292, 337-338
     ("NVIDIA H200", 65, False),  # addendum 13: runs 326-328
 ])
 def test_shipped_band_bounds(splitk_present, gpu_name, bound, eight_rows_on_fa3):
     """Each card's entry as its addenda read it: under CUDA graphs its 9-16-row batches
     from 33 requests up to its bound run vLLM's FA3 kernel longest first, planned on the
     GPU, and ``cuda-splitk`` from the bound on; its 8-row batches do the same where the
-    card's 8-head reading passed (the H100, addenda 23-24) and keep ``cuda-splitk`` from 33
+    card's 8-head reading passed (the H100, addenda 23-25) and keep ``cuda-splitk`` from 33
     where it has not (the H200); a Hopper card without an entry keeps ``cuda-splitk`` from
     33 at any rows."""
     gpu = Platform("cuda", (9, 0), gpu_name)

@@ -100,8 +100,8 @@ def test_graph_replay_after_replan(route: str, schedule: tuple, persistent: bool
 
 # (heads, batch, the route the SM90 CUDA-graph rule runs on an H100 and an H200 alike): 8
 # heads at one token (Kimi-K2 at TP8, DeepSeek-V3 at TP16) take vLLM's FA3 MLA up to 32
-# requests and the plugin's CUDA split-KV kernel from 56 to 1024 where nvcc builds it (33-55:
-# the H100 FA3 below its bound 49, the H200 the split-KV kernel); 16 heads
+# requests and the plugin's CUDA split-KV kernel for 33-1024 where nvcc builds it (on an
+# H100 from its band bound 49, FA3 longest first below, hence b56 here); 16 heads
 # vLLM's FA3 MLA up to the card's band bound (49 on the H100, 65 on the H200: longest
 # first from 33) and the split-KV kernel from it; 32 heads vLLM's FA3 MLA, longest first
 # from 33 on (docs/benchmarks.md; tests/test_policy.py checks this table against the

@@ -146,8 +146,8 @@ CLIENT_PROMPTS = [prompt_ids(n, 4000 + i) for i, n in enumerate(CLIENT_LENS)]
 #: Lengths 60-2959 across 64-token pages.
 WIDE_LENS = [(211 * i) % 2900 + 60 for i in range(128)]
 #: Requests finish in six waves, so the decode batch runs 128, 107, 85, 64, 43 and 21 wide:
-#: `cuda-splitk` under CUDA graphs from 33 requests on, vLLM's FA3 kernel below (at 16
-#: heads on an H100, whose band bound is 49, the 43-request wave runs FA3 too).
+#: `cuda-splitk` under CUDA graphs from 33 requests on, vLLM's FA3 kernel below (on an H100,
+#: whose band bound is 49, the 43-request wave runs FA3 too, at 16 heads and at 8).
 WIDE_TOKENS = [8 * (1 + i % 6) for i in range(len(WIDE_LENS))]
 #: 100 requests of near-equal length (1000-1015 tokens, 16-17 KV tiles of 64) decoding
 #: together at 16 heads, captured at 104: FA3's own formula cuts every request in two
@@ -553,7 +553,7 @@ def test_wide_batch_on_split_kv_kernel_matches_vllm(engine, ours_name: str, ref_
     128 down to 21): the plugin's decoder holds its own split-KV kernel (``cuda-splitk``,
     built with the machine's nvcc at engine start) for the batches of 33 or more and vLLM's
     FA3 kernel below (on a GPU with its own band bound, ``policy.band_bound``, the band's
-    batches under it run FA3 planned on the GPU: an H100's 16-row batches of 33-48), and the
+    batches under it run FA3 planned on the GPU: an H100's 8-16-row batches of 33-48), and the
     generations match vLLM's own backend's. 16 heads (16 query rows per request) against
     FLASHMLA; 8 heads (8 rows) against FLASH_ATTN_MLA."""
     from trtllm_mla_plugin.ops.kernels.nvcc_build import cached_cubin, find_nvcc

@@ -30,6 +30,7 @@ creation order (``bench_engine.worker``).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import math
 import statistics
@@ -199,33 +200,25 @@ def plot(points: list[PairedPoint], dst: str) -> None:
 
 
 def main(*argv: str) -> None:
-    args = list(argv)
-    column = "decode_tokens_per_s"
+    ap = argparse.ArgumentParser(description="Paired engine rounds as ratios (module doc).")
+    ap.add_argument("files", nargs="+", metavar="engine.csv")
     for flag, name in (("--core", "core_decode_tokens_per_s"),
                        ("--core-median", "core_median_decode_tokens_per_s"),
                        ("--core-fast", FAST_COLUMN)):
-        if flag in args:
-            args.remove(flag)
-            column = name
-    over = None
-    if "--over" in args:
-        i = args.index("--over")
-        over = args[i + 1]
-        del args[i:i + 2]
-    dst = None
-    if "--plot" in args:
-        i = args.index("--plot")
-        dst = args[i + 1]
-        del args[i:i + 2]
+        ap.add_argument(flag, dest="column", action="store_const", const=name)
+    ap.add_argument("--over", metavar="TRTLLM_MLA@ROUTE")
+    ap.add_argument("--plot", metavar="out.png")
+    args = ap.parse_args(argv)
+    column = args.column or "decode_tokens_per_s"
     files = []
-    for path in args:
+    for path in args.files:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
         files.append(with_fastest_decile(rows) if column == FAST_COLUMN else rows)
-    points = paired_points(files, column, over)
+    points = paired_points(files, column, args.over)
     print_table(points)
-    if dst is not None:
-        plot(points, dst)
+    if args.plot is not None:
+        plot(points, args.plot)
 
 
 if __name__ == "__main__":

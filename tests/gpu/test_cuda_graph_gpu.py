@@ -183,10 +183,10 @@ def test_this_gpus_own_band_bound_replays_on_each_side(monkeypatch) -> None:
     decoder = replay_policy_decoder(16, below, "vllm-fa3-mla")
     assert decoder.route._device_plan(below)
     replay_policy_decoder(16, band.min_batch, "cuda-splitk")
-    eight_rows_route = "cuda-splitk" if band.fewest_request_rows > 8 else "vllm-fa3-mla"
-    decoder = replay_policy_decoder(8, below, eight_rows_route)
-    if eight_rows_route == "vllm-fa3-mla":
-        assert decoder.route._device_plan(below)
+    if band.fewest_request_rows > 8:
+        replay_policy_decoder(8, below, "cuda-splitk")
+    else:
+        assert replay_policy_decoder(8, below, "vllm-fa3-mla").route._device_plan(below)
 
 
 def replay_policy_decoder(heads: int, batch: int, route: str) -> MLADecoder:

@@ -614,7 +614,8 @@ def main() -> None:
                     help="two backends: both engines in one process per round, timed "
                          "alternately")
     args = ap.parse_args()
-    if args.paired and len(args.backends.split(",")) != 2:
+    backends = args.backends.split(",")
+    if args.paired and len(backends) != 2:
         ap.error("--paired times exactly two backends side by side")
     if args.worker:
         args.heads = int(args.heads)
@@ -627,7 +628,7 @@ def main() -> None:
         model = build_model(args.out, heads, args.layers, args.max_prompt + args.output_len,
                             mtp=args.mtp > 0)
         if args.warmup_engine:
-            first = args.backends.split(",")[0]
+            first = backends[0]
             t0 = time.time()
             smallest = argparse.Namespace(**vars(args))
             smallest.batches = str(min(int(b) for b in args.batches.split(",")))
@@ -635,7 +636,7 @@ def main() -> None:
             print(f"[{time.time() - t0:.0f}s] h{heads} warm-up engine ({first}, discarded): "
                   f"{warm[-1].get('status', '')[:100]}", flush=True)
         order = [(kv, r, backend) for kv in args.kv.split(",") for r in range(args.rounds)
-                 for backend in round_engines(args.backends.split(","), r, args.paired)]
+                 for backend in round_engines(backends, r, args.paired)]
         for kv, rnd, backend in order:
             t0 = time.time()
             rows += engine_rows(args, model, heads, kv, backend, rnd)
@@ -647,17 +648,16 @@ def main() -> None:
     if args.paired:
         import summarize_engine
 
-        over = args.backends.split(",")[0]
-        print()
-        summarize_engine.print_table(
-            summarize_engine.paired_points([rows], "decode_tokens_per_s", over))
+        tables = [("", "decode_tokens_per_s")]
         if args.core_steps:
-            print("\nBy the engine core's timestamps (--core-steps):")
+            tables += [("By the engine core's timestamps (--core-steps):",
+                        "core_decode_tokens_per_s"),
+                       ("By the median decode step of the engine core (--core-steps):",
+                        "core_median_decode_tokens_per_s")]
+        for title, column in tables:
+            print(f"\n{title}" if title else "")
             summarize_engine.print_table(
-                summarize_engine.paired_points([rows], "core_decode_tokens_per_s", over))
-            print("\nBy the median decode step of the engine core (--core-steps):")
-            summarize_engine.print_table(summarize_engine.paired_points(
-                [rows], "core_median_decode_tokens_per_s", over))
+                summarize_engine.paired_points([rows], column, backends[0]))
 
 
 def print_medians(rows: list[dict]) -> None:

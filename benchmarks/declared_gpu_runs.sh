@@ -32,7 +32,7 @@
 #                                                   # left; repeat the call until all report
 #   bash benchmarks/declared_gpu_runs.sh engine-spec OUT  # the five engine cases run 331
 #                                                   # did not reach (speculation, server)
-#   bash benchmarks/declared_gpu_runs.sh engine-wide OUT  # H100 (addendum 25): the two
+#   bash benchmarks/declared_gpu_runs.sh engine-wide OUT  # H100 (addendum 25): the three
 #                                                   # wide-batch engine cases
 #   bash benchmarks/declared_gpu_runs.sh engine OUT  # all 20 one-GPU engine cases,
 #                                                   # resumable as engine-rest

@@ -169,11 +169,12 @@ def test_rows_bound_replays_on_each_side(monkeypatch) -> None:
 
 
 def test_this_gpus_own_band_bound_replays_on_each_side(monkeypatch) -> None:
-    """This GPU's entry in ``SPLITK_GRAPH_BANDS_BY_GPU`` as shipped (the H100's 49, the
-    H200's 65, each for 9-16 rows): a 16-row batch just below the bound runs
+    """This GPU's entry in ``SPLITK_GRAPH_BANDS_BY_GPU`` as shipped (the H100's 49 for 8-16
+    rows, the H200's 65 for 9-16): a 16-row batch just below the bound runs
     ``vllm-fa3-mla`` planned on the GPU, one at the bound ``cuda-splitk``, and an 8-row
-    batch below it ``cuda-splitk`` where the entry leaves 8 rows there; each replayed after
-    re-planning against float64."""
+    batch below it ``cuda-splitk`` where the entry leaves 8 rows there (the H200), else
+    ``vllm-fa3-mla`` planned on the GPU (the H100); each replayed after re-planning against
+    float64."""
     monkeypatch.setattr(policy, "VLLM_FA3_DEVICE_PLAN", False)
     name = torch.cuda.get_device_name()
     band = policy.band_bound(name)
